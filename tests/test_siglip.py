@@ -1,0 +1,157 @@
+"""The SigLIP vision tower (chapters 2 and 3) against transformers' SiglipVisionModel and PyTorch's kernels."""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import SiglipVisionConfig
+from transformers import SiglipVisionModel as ReferenceSiglipVisionModel
+
+from paligemma_lib.config import VisionConfig
+from paligemma_lib.siglip import SiglipAttention, SiglipVisionModel, SiglipVisionOutput, explicit_attention
+
+CONFIGS = {
+    "48-wide-16-patches": VisionConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                                       num_attention_heads=4, image_size=56, patch_size=14),
+    "40-wide-9-patches": VisionConfig(hidden_size=40, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, image_size=42, patch_size=14),
+    "72-wide-25-patches": VisionConfig(hidden_size=72, intermediate_size=64, num_hidden_layers=3,
+                                       num_attention_heads=6, image_size=30, patch_size=6),
+    "1-channel-3-heads": VisionConfig(hidden_size=48, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=3, num_channels=1, image_size=20, patch_size=4),
+}
+
+
+def reference_model(config, attn_implementation="sdpa"):
+    hf_config = SiglipVisionConfig(**config.to_hf(), vision_use_head=False, attn_implementation=attn_implementation)
+    return ReferenceSiglipVisionModel(hf_config).eval()
+
+
+def with_prefix(state_dict, prefix="vision_model."):
+    "transformers 5 keeps no `vision_model.` level in SiglipVisionModel; the checkpoints and we do"
+    return {k if k.startswith(prefix) else prefix + k: v for k, v in state_dict.items()}
+
+
+def pair(config, seed=0, attn_implementation="sdpa"):
+    "(ours, theirs) with the same random weights"
+    torch.manual_seed(seed)
+    theirs = reference_model(config, attn_implementation)
+    ours = SiglipVisionModel(config).eval()
+    ours.load_state_dict(with_prefix(theirs.state_dict()))  # strict
+    return ours, theirs
+
+
+def pixels(config, batch=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(batch, config.num_channels, config.image_size, config.image_size, generator=g) * 2 - 1
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_state_dict_keys_and_shapes_match_the_reference(config):
+    ours = {k: tuple(v.shape) for k, v in SiglipVisionModel(config).state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in with_prefix(reference_model(config).state_dict()).items()}
+    assert ours == theirs
+    assert "vision_model.embeddings.patch_embedding.weight" in ours
+    assert "vision_model.encoder.layers.0.self_attn.q_proj.weight" in ours
+    assert "vision_model.post_layernorm.weight" in ours
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_last_hidden_state_equals_transformers_fp32(config):
+    ours, theirs = pair(config)
+    x = pixels(config)
+    with torch.no_grad():
+        out = ours(x)
+        expected = theirs(x).last_hidden_state
+    assert isinstance(out, SiglipVisionOutput) and out.attentions is None
+    assert out.last_hidden_state.shape == (3, config.num_image_tokens, config.hidden_size)
+    assert (out.last_hidden_state - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_attention_weights_equal_transformers_eager_and_fused_path(config):
+    ours, theirs = pair(config, attn_implementation="eager")
+    x = pixels(config, batch=2)
+    with torch.no_grad():
+        explicit = ours(x, output_attentions=True)
+        fused = ours(x).last_hidden_state
+        expected = theirs(x, output_attentions=True)
+    assert len(explicit.attentions) == config.num_hidden_layers
+    N = config.num_image_tokens
+    for weights, their_weights in zip(explicit.attentions, expected.attentions):
+        assert weights.shape == (2, config.num_attention_heads, N, N)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, config.num_attention_heads, N))
+        torch.testing.assert_close(weights, their_weights)
+    torch.testing.assert_close(explicit.last_hidden_state, fused, atol=1e-5, rtol=0)
+    torch.testing.assert_close(explicit.last_hidden_state, expected.last_hidden_state, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_bf16_runs_without_nan_and_stays_close(config):
+    ours, _ = pair(config)
+    x = pixels(config)
+    with torch.no_grad():
+        full = ours(x).last_hidden_state
+        ours = ours.to(torch.bfloat16)
+        low = ours(x).last_hidden_state  # float32 pixels: the embedding casts them
+        low_explicit = ours(x, output_attentions=True)
+    assert low.dtype == torch.bfloat16
+    assert torch.isfinite(low).all() and torch.isfinite(low_explicit.last_hidden_state).all()
+    assert all(torch.isfinite(w).all() and w.dtype == torch.bfloat16 for w in low_explicit.attentions)
+    assert (low.float() - full).abs().max() < 0.05 * full.abs().max()
+
+
+@pytest.mark.parametrize(
+    "shape, words",
+    [
+        ((1, 3, 112, 112), "[1, 3, 112, 112]"),  # wrong spatial size
+        ((2, 4, 56, 56), "[2, 4, 56, 56]"),  # wrong channel count
+        ((3, 56, 56), "[3, 56, 56]"),  # no batch dimension
+        ((1, 3, 56, 42), "[1, 3, 56, 42]"),  # not square
+    ],
+)
+def test_wrong_pixel_shape_names_both_shapes(shape, words):
+    model = SiglipVisionModel(CONFIGS["48-wide-16-patches"])
+    with pytest.raises(ValueError) as info:
+        model(torch.zeros(shape))
+    assert words in str(info.value) and "[batch, 3, 56, 56]" in str(info.value)
+
+
+def test_full_config_shapes_and_parameter_count_on_meta():
+    with torch.device("meta"):
+        ours = SiglipVisionModel(VisionConfig())
+        out = ours(torch.empty(2, 3, 224, 224))
+        theirs = reference_model(VisionConfig())
+    assert out.last_hidden_state.shape == (2, 256, 1152)
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in theirs.parameters()) == 412_442_352
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {
+        k: v.shape for k, v in with_prefix(theirs.state_dict()).items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_explicit_attention_equals_sdpa(dtype, masked):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 2, 3, 7, 10, generator=g).to(dtype)  # [B, H, N, d]
+    mask = None
+    if masked:  # additive, finfo.min where not allowed; the last query row is fully masked
+        allowed = torch.ones(7, 7, dtype=torch.bool).tril()
+        allowed[-1] = False
+        mask = torch.zeros(1, 1, 7, 7, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    out, weights = explicit_attention(q, k, v, attn_mask=mask, scale=0.4)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.4)
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(out, expected, **tol)
+    assert weights.shape == (2, 3, 7, 7) and weights.dtype == dtype and not weights.isnan().any()
+
+
+def test_attention_module_paths_agree_and_dropout_only_in_training():
+    config = VisionConfig(hidden_size=40, num_attention_heads=4, image_size=42, attention_dropout=0.5)
+    torch.manual_seed(0)
+    attention = SiglipAttention(config).eval()
+    x = torch.randn(2, 9, 40)
+    fused, none = attention(x)
+    explicit, weights = attention(x, output_attentions=True)
+    assert none is None and weights.shape == (2, 4, 9, 9)
+    torch.testing.assert_close(fused, explicit)
+    attention.train()
+    assert not torch.allclose(attention(x)[0], fused)  # dropout on the weights while training
