@@ -368,8 +368,12 @@ class PaliGemmaProcessor:
         sequences, types = [], []
         for i, prefix in enumerate(prefixes):
             suffix = self.encode_suffix(suffixes[i]) if suffixes is not None else []
-            if max_length is not None:
-                suffix = suffix[: max_length - len(prefix)]
+            if max_length is not None and len(prefix) + len(suffix) > max_length:
+                raise ValueError(
+                    f"max_length={max_length} is too short for example {i}: its prompt needs {len(prefix)} tokens and "
+                    f"its suffix {len(suffix)} (with <eos>), {len(prefix) + len(suffix) - max_length} too many. "
+                    f"Suffixes are not cut (the model would learn answers without their end); raise max_length "
+                    f"or shorten the suffix")
             sequences.append(prefix + suffix)
             types.append([0] * len(prefix) + [1] * len(suffix))
 

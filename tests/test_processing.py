@@ -249,12 +249,14 @@ def test_max_length_too_short_says_by_how_much(tokenizer):
     assert processor(make_images()[:1], ["answer en What colour is the circle?"], max_length=needed).input_ids.shape[1] == needed
 
 
-def test_suffix_is_cut_to_max_length(tokenizer):
+def test_suffix_that_does_not_fit_is_an_error_not_cut(tokenizer):
     processor = PaliGemmaProcessor(tokenizer, image_size=28, num_image_tokens=4)
     prefix = len(processor.encode_prefix("caption en"))
-    batch = processor(make_images()[:1], ["caption en"], ["A red circle next to a blue square."], max_length=prefix + 2)
-    assert batch.input_ids.shape[1] == prefix + 2 and batch.token_type_ids[0].sum() == 2
-    assert tokenizer.eos_id not in batch.labels[0].tolist()
+    suffix = len(processor.encode_suffix("A red circle next to a blue square."))
+    with pytest.raises(ValueError, match=f"{prefix + suffix - (prefix + 2)} too many"):
+        processor(make_images()[:1], ["caption en"], ["A red circle next to a blue square."], max_length=prefix + 2)
+    batch = processor(make_images()[:1], ["caption en"], ["A red circle next to a blue square."], max_length=prefix + suffix)
+    assert batch.input_ids.shape[1] == prefix + suffix and batch.labels[0, -1] == tokenizer.eos_id
 
 
 def test_empty_prompt_is_allowed(tokenizer):
