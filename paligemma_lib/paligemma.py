@@ -90,8 +90,8 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 # %% ../book/07_paligemma.ipynb #c028
 def _forward(self: PaliGemmaForConditionalGeneration, input_ids, pixel_values=None, attention_mask=None,
-             token_type_ids=None, labels=None, position_ids=None, kv_cache=None) -> PaliGemmaOutput:
-    "Logits for every position of `input_ids` (and the loss on the suffix when `labels` are given)"
+             token_type_ids=None, labels=None, position_ids=None, kv_cache=None, logits_to_keep: int = 0) -> PaliGemmaOutput:
+    "Logits for every position of `input_ids`, or the last `logits_to_keep` (and the loss on the suffix when `labels` are given)"
     past = kv_cache.get_seq_length() if kv_cache is not None else 0
     B, S = input_ids.shape
     if attention_mask is None:
@@ -111,10 +111,13 @@ def _forward(self: PaliGemmaForConditionalGeneration, input_ids, pixel_values=No
         position_ids = position_ids_from_mask(attention_mask)[:, -S:]
     allowed = make_prefix_lm_mask(attention_mask, token_type_ids, num_queries=S)  # [B, S, past + S]
     mask = additive_mask(allowed[:, None], inputs_embeds.dtype)  # [B, 1, S, past + S]
-    out = self.language_model(inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=position_ids,
-                              kv_cache=kv_cache)
-    loss = next_token_loss(out.logits, labels) if labels is not None else None
-    return PaliGemmaOutput(logits=out.logits, loss=loss, kv_cache=kv_cache)
+    hidden_states = self.language_model.model(inputs_embeds=inputs_embeds, attention_mask=mask,
+                                              position_ids=position_ids, kv_cache=kv_cache)  # [B, S, D]
+    logits = self.language_model.lm_head(hidden_states[:, -logits_to_keep:])  # [B, S or logits_to_keep, vocab]
+    if labels is not None and logits.shape[1] != S:
+        raise ValueError(f"the loss needs the logits of all {S} positions: pass labels with logits_to_keep=0")
+    loss = next_token_loss(logits, labels) if labels is not None else None
+    return PaliGemmaOutput(logits=logits, loss=loss, kv_cache=kv_cache)
 
 
 PaliGemmaForConditionalGeneration.forward = _forward
