@@ -1,0 +1,50 @@
+"""Helpers shared by tests and benchmarks: transformers' PaliGemma as the reference, with our weights.
+
+Hand-written test tooling; the library never imports transformers (chapter 9 writes the real loader)."""
+import torch
+
+from paligemma_lib.config import PaliGemmaConfig
+from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
+
+# transformers 5 spells the in-memory (and saved) keys like this; ours follow the Hub checkpoints.
+OURS_TO_TRANSFORMERS = {"vision_tower.vision_model.": "model.vision_tower.",
+                        "multi_modal_projector.": "model.multi_modal_projector.",
+                        "language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head."}
+
+
+def transformers_name(name: str) -> str:
+    "Our parameter name -> transformers 5's"
+    prefix = next(p for p in OURS_TO_TRANSFORMERS if name.startswith(p))
+    return OURS_TO_TRANSFORMERS[prefix] + name[len(prefix):]
+
+
+def ours_from_transformers_state(config: PaliGemmaConfig, state: dict, dtype=torch.float32):
+    "Our model holding the tensors of a transformers state dict (in memory or read from its saved file)"
+    ours = PaliGemmaForConditionalGeneration(config).to(dtype).eval()
+    names = {name: transformers_name(name) for name in ours.state_dict()}
+    missing = sorted(n for n in names.values() if n not in state)
+    assert not missing, f"the transformers state has no {missing[:3]}"
+    tied = "lm_head.weight"  # saved files drop the tied head
+    left = sorted(set(state) - set(names.values()) - {tied})
+    assert not left, f"transformers has tensors we did not copy: {left[:3]}"
+    ours.load_state_dict({name: state[theirs] for name, theirs in names.items()})
+    return ours
+
+
+def sharpen(model, factor: float = 3.0):
+    "Scale every weight matrix by `factor`, so random logits have clear maxima (exact token comparisons stay stable)"
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(factor)
+    return model
+
+
+def transformers_pair(config: PaliGemmaConfig, seed: int = 0, factor: float = 3.0):
+    "A random (sharpened) transformers PaliGemma and ours with the same weights"
+    import transformers
+
+    torch.manual_seed(seed)
+    theirs = transformers.PaliGemmaForConditionalGeneration(transformers.PaliGemmaConfig(**config.to_hf())).eval()
+    sharpen(theirs, factor)
+    return ours_from_transformers_state(config, theirs.state_dict()), theirs

@@ -1,0 +1,184 @@
+"""Chapter 8: KV caches and generation; parity with recomputation, with rows alone, and with transformers."""
+import pytest
+import torch
+from PIL import Image
+
+from hf_reference import sharpen, transformers_pair
+from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
+from paligemma_lib.generation import answer, generate, next_token, top_k_filter, top_p_filter
+from paligemma_lib.kv_cache import DynamicKVCache, StaticKVCache
+from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
+from paligemma_lib.processing import GemmaTokenizer, PaliGemmaProcessor, default_tokenizer_path
+
+IMAGE = 299
+
+
+def tiny_config(kv_heads=1, vocab=300, image_token=IMAGE):
+    return PaliGemmaConfig(
+        vision=VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            image_size=28, patch_size=14),
+        text=TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16),
+        image_token_index=image_token, projection_dim=64)
+
+
+def prompts(config, lengths, seed=0):
+    "Left-padded prompts: image tokens, <bos>, `n` random tokens, newline; with mask, types and images"
+    g = torch.Generator().manual_seed(seed)
+    seqs = [[config.image_token_index] * config.num_image_tokens + [2]
+            + torch.randint(3, IMAGE, (n,), generator=g).tolist() + [108] for n in lengths]
+    S = max(map(len, seqs))
+    ids = torch.tensor([[0] * (S - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (S - len(s)) + [1] * len(s) for s in seqs])
+    pixels = torch.randn(len(lengths), 3, config.vision.image_size, config.vision.image_size, generator=g)
+    return dict(input_ids=ids, pixel_values=pixels, attention_mask=mask, token_type_ids=torch.zeros_like(ids))
+
+
+def model_for(config, seed=0):
+    torch.manual_seed(seed)
+    return sharpen(PaliGemmaForConditionalGeneration(config).eval())
+
+
+def recompute(model, input_ids, pixel_values, attention_mask, token_type_ids, max_new_tokens):
+    "Greedy by a full forward pass per token, written independently of generate"
+    ids, mask, types = input_ids, attention_mask, token_type_ids
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            token = model(ids, pixel_values, attention_mask=mask, token_type_ids=types).logits[:, -1].argmax(-1)[:, None]
+        ids, mask, types = torch.cat([ids, token], 1), torch.cat([mask, token * 0 + 1], 1), torch.cat([types, token * 0 + 1], 1)
+    return ids[:, input_ids.shape[1]:]
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2], ids=["mqa", "gqa"])
+@pytest.mark.parametrize("cache", ["static", "dynamic", "none"])
+def test_cached_tokens_equal_recomputation(cache, kv_heads):
+    config = tiny_config(kv_heads)
+    model = model_for(config)
+    inputs = prompts(config, [5, 2, 8])
+    expected = recompute(model, **inputs, max_new_tokens=10)
+    assert torch.equal(generate(model, **inputs, max_new_tokens=10, eos_token_id=None, cache=cache), expected)
+
+
+@pytest.mark.parametrize("cache_class", ["static", "dynamic"])
+def test_cache_returns_all_keys_so_far(cache_class):
+    config = tiny_config(kv_heads=2).text
+    cache = StaticKVCache(config, 3, 10) if cache_class == "static" else DynamicKVCache(config.num_hidden_layers)
+    keys = [torch.randn(3, 2, n, 16) for n in (4, 1, 1)]
+    for k in keys:
+        for layer in range(2):
+            got_k, got_v = cache.update(layer, k, -k)
+        assert cache.get_seq_length() == got_k.shape[2]
+    torch.testing.assert_close(got_k, torch.cat(keys, 2), rtol=0, atol=0)
+    torch.testing.assert_close(got_v, -torch.cat(keys, 2), rtol=0, atol=0)
+    cache.select_rows(torch.tensor([2, 0]))
+    torch.testing.assert_close(cache.update(0, keys[0][:2, :, :1], keys[0][:2, :, :1])[0][:, :, :6],
+                               torch.cat(keys, 2)[[2, 0]], rtol=0, atol=0)
+
+
+def test_static_cache_overflow_is_a_clear_error():
+    cache = StaticKVCache(tiny_config().text, 1, 3)
+    cache.update(0, torch.zeros(1, 1, 3, 16), torch.zeros(1, 1, 3, 16))
+    with pytest.raises(ValueError, match="max_length >= prompt length"):
+        cache.update(0, torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1, 16))
+
+
+def test_padded_batch_rows_equal_rows_alone_and_stop_at_eos():
+    config = tiny_config()
+    model = model_for(config)
+    inputs = prompts(config, [5, 1, 9], seed=1)
+    free = generate(model, **inputs, max_new_tokens=12, eos_token_id=None)
+    eos = free[1, 3].item()  # row 1 emits it, so it finishes early
+    batched = generate(model, **inputs, max_new_tokens=12, eos_token_id=eos)
+    for row in range(3):
+        real = inputs["attention_mask"][row].bool()
+        alone = generate(model, inputs["input_ids"][row:row + 1, real], inputs["pixel_values"][row:row + 1],
+                         max_new_tokens=12, eos_token_id=eos)
+        assert torch.equal(batched[row, :alone.shape[1]], alone[0])
+        assert (batched[row, alone.shape[1]:] == 0).all()
+    first = (free[1] == eos).nonzero()[0, 0].item()
+    assert batched[1, first] == eos and (batched[1, first + 1:] == 0).all()
+    assert torch.equal(batched[1, :first + 1], free[1, :first + 1])
+
+
+def test_all_rows_finished_stops_early():
+    config = tiny_config()
+    model = model_for(config)
+    inputs = prompts(config, [3])
+    free = generate(model, **inputs, max_new_tokens=8, eos_token_id=None)
+    out = generate(model, **inputs, max_new_tokens=8, eos_token_id=free[0, 2].item())
+    first = (free[0] == free[0, 2]).nonzero()[0, 0].item()
+    assert out.shape == (1, first + 1)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2], ids=["mqa", "gqa"])
+def test_greedy_equals_transformers_generate(kv_heads):
+    config = tiny_config(kv_heads)
+    ours, theirs = transformers_pair(config)
+    inputs = prompts(config, [6, 2, 4], seed=2)
+    with torch.no_grad():
+        their_out = theirs.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=1, pad_token_id=0)
+    expected = their_out[:, inputs["input_ids"].shape[1]:]
+    assert torch.equal(generate(ours, **inputs, max_new_tokens=12), expected)
+
+
+def test_sampling_with_a_seed_repeats():
+    config = tiny_config()
+    model = model_for(config)
+    inputs = prompts(config, [4, 2])
+
+    def sample(seed):
+        return generate(model, **inputs, max_new_tokens=10, do_sample=True, temperature=1.5, top_k=40, top_p=0.9,
+                        eos_token_id=None, generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(sample(3), sample(3))
+    assert not torch.equal(sample(3), sample(4))
+
+
+def test_filters_keep_the_right_tokens():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
+    assert torch.isfinite(top_k_filter(logits, 2)).tolist() == [[False, True, False, True, False]]
+    probs = logits.softmax(-1)[0]
+    p = (probs[1] + probs[3]).item()  # the two most likely tokens hold mass p
+    assert torch.isfinite(top_p_filter(logits, p - 1e-3)).tolist() == [[False, True, False, True, False]]
+    assert torch.isfinite(top_p_filter(logits, p + 1e-3)).tolist() == [[False, True, True, True, False]]
+    assert torch.isfinite(top_p_filter(logits, 1e-9)).sum() == 1
+    draws = next_token(logits.expand(5000, -1), do_sample=True, top_k=1, generator=torch.Generator().manual_seed(0))
+    assert (draws == 1).all()
+    draws = next_token(logits.expand(20000, -1), do_sample=True, temperature=2.0, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(torch.bincount(draws, minlength=5) / 20000.0, (logits[0] / 2).softmax(-1), atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(do_sample=True, temperature=0.0), "temperature"), (dict(do_sample=True, top_k=0), "top_k"),
+    (dict(do_sample=True, top_p=1.5), "top_p"), (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(cache="paged"), "cache='paged'")])
+def test_bad_arguments_are_clear_errors(kw, message):
+    config = tiny_config()
+    model = model_for(config)
+    with pytest.raises(ValueError, match=message):
+        generate(model, **prompts(config, [2]), **kw)
+
+
+def test_right_padding_is_a_clear_error():
+    config = tiny_config()
+    inputs = prompts(config, [4, 1])
+    inputs = {k: (v.flip(1) if k != "pixel_values" else v) for k, v in inputs.items()}
+    with pytest.raises(ValueError, match="padded on the left"):
+        generate(model_for(config), **inputs)
+
+
+def test_answer_returns_strings():
+    tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
+    config = tiny_config(vocab=len(tokenizer), image_token=tokenizer.image_token_id)
+    model = model_for(config)
+    processor = PaliGemmaProcessor(tokenizer, image_size=28, num_image_tokens=config.num_image_tokens)
+    images = [Image.new("RGB", (40, 30), "navy"), Image.new("RGB", (30, 40), "gold")]
+    texts = answer(model, processor, images, ["caption en", "count the circles"], max_new_tokens=6)
+    batch = processor(images, ["caption en", "count the circles"])
+    tokens = generate(model, batch.input_ids, batch.pixel_values, batch.attention_mask, batch.token_type_ids,
+                      max_new_tokens=6)
+    assert isinstance(texts, list) and len(texts) == 2
+    for text, row in zip(texts, tokens.tolist()):
+        row = row[:row.index(1)] if 1 in row else row
+        assert text == processor.decode(row)
+    assert answer(model, processor, images[0], "caption en", max_new_tokens=6) == texts[0]
