@@ -6,28 +6,34 @@ import torch
 from paligemma_lib.config import PaliGemmaConfig
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
 
-# transformers 5 spells the in-memory (and saved) keys like this; ours follow the Hub checkpoints.
+# transformers 5 spells the keys of a model in memory like this; ours follow the Hub checkpoints.
 OURS_TO_TRANSFORMERS = {"vision_tower.vision_model.": "model.vision_tower.",
                         "multi_modal_projector.": "model.multi_modal_projector.",
                         "language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head."}
+# ... and like this in the files its save_pretrained writes (the tied lm_head is left out).
+OURS_TO_SAVED = {"vision_tower.vision_model.": "vision_tower.", "multi_modal_projector.": "multi_modal_projector.",
+                 "language_model.model.": "language_model.model.", "language_model.lm_head.": "language_model.lm_head."}
 
 
-def transformers_name(name: str) -> str:
-    "Our parameter name -> transformers 5's"
-    prefix = next(p for p in OURS_TO_TRANSFORMERS if name.startswith(p))
-    return OURS_TO_TRANSFORMERS[prefix] + name[len(prefix):]
+def transformers_name(name: str, spelling: dict = OURS_TO_TRANSFORMERS) -> str:
+    "Our parameter name -> transformers 5's, in memory (default) or in a saved file (OURS_TO_SAVED)"
+    prefix = next(p for p in spelling if name.startswith(p))
+    return spelling[prefix] + name[len(prefix):]
 
 
 def ours_from_transformers_state(config: PaliGemmaConfig, state: dict, dtype=torch.float32):
-    "Our model holding the tensors of a transformers state dict (in memory or read from its saved file)"
+    "Our model holding the tensors of a transformers state dict: its model's state_dict() or its saved file"
     ours = PaliGemmaForConditionalGeneration(config).to(dtype).eval()
-    names = {name: transformers_name(name) for name in ours.state_dict()}
+    saved = "model.language_model.embed_tokens.weight" not in state
+    spelling = OURS_TO_SAVED if saved else OURS_TO_TRANSFORMERS
+    names = {name: transformers_name(name, spelling) for name in ours.state_dict()}
+    head = names.pop("language_model.lm_head.weight")  # tied to the embedding: absent from saved files
     missing = sorted(n for n in names.values() if n not in state)
     assert not missing, f"the transformers state has no {missing[:3]}"
-    tied = "lm_head.weight"  # saved files drop the tied head
-    left = sorted(set(state) - set(names.values()) - {tied})
+    left = sorted(set(state) - set(names.values()) - {head})
     assert not left, f"transformers has tensors we did not copy: {left[:3]}"
-    ours.load_state_dict({name: state[theirs] for name, theirs in names.items()})
+    ours.load_state_dict({name: state[theirs] for name, theirs in names.items()}, strict=False)
+    assert ours.language_model.lm_head.weight is ours.language_model.model.embed_tokens.weight
     return ours
 
 

@@ -5,7 +5,8 @@ from PIL import Image
 
 from hf_reference import sharpen, transformers_pair
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
-from paligemma_lib.generation import answer, generate, next_token, top_k_filter, top_p_filter
+from paligemma_lib.generation import (
+    DecodingLinear, answer, generate, next_token, top_k_filter, top_p_filter, use_decoding_linears)
 from paligemma_lib.kv_cache import DynamicKVCache, StaticKVCache
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
 from paligemma_lib.processing import GemmaTokenizer, PaliGemmaProcessor, default_tokenizer_path
@@ -119,6 +120,7 @@ def test_greedy_equals_transformers_generate(kv_heads):
         their_out = theirs.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=1, pad_token_id=0)
     expected = their_out[:, inputs["input_ids"].shape[1]:]
     assert torch.equal(generate(ours, **inputs, max_new_tokens=12), expected)
+    assert torch.equal(generate(use_decoding_linears(ours), **inputs, max_new_tokens=12), expected)
 
 
 def test_sampling_with_a_seed_repeats():
@@ -182,3 +184,30 @@ def test_answer_returns_strings():
         row = row[:row.index(1)] if 1 in row else row
         assert text == processor.decode(row)
     assert answer(model, processor, images[0], "caption en", max_new_tokens=6) == texts[0]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_decoding_linear_equals_linear(rows, bias):
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(24, 40, bias=bias)
+    fast = DecodingLinear(24, 40, bias=bias)
+    fast.load_state_dict(plain.state_dict())
+    x = torch.randn(rows, 2, 24)[:, 0]  # not contiguous, as a sliced hidden state can be
+    torch.testing.assert_close(fast(x), plain(x))
+    torch.testing.assert_close(fast(x[None]), plain(x[None]))
+
+
+def test_use_decoding_linears_keeps_parameters_and_tokens():
+    config = tiny_config()
+    model = model_for(config)
+    inputs = prompts(config, [4, 1])
+    before = model.state_dict(keep_vars=True)
+    expected = generate(model, **inputs, max_new_tokens=8, eos_token_id=None)
+    use_decoding_linears(model)
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(before) and all(after[k] is before[k] for k in before)
+    assert model.language_model.lm_head.weight is model.language_model.model.embed_tokens.weight
+    linears = [m for m in model.language_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 7 * config.text.num_hidden_layers + 1 and all(type(m) is DecodingLinear for m in linears)
+    assert torch.equal(generate(model, **inputs, max_new_tokens=8, eos_token_id=None), expected)
