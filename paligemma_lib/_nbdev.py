@@ -17,6 +17,17 @@ from pathlib import Path
 
 from nbdev.config import get_config
 
+# Serialise concurrent `nbdev-export` runs in one checkout: each run rewrites and appends to the
+# same module files, so two interleaved runs would duplicate cells. nbdev imports this module once
+# per run, from the project root; the lock is released when the run's process exits.
+try:
+    import fcntl
+except ImportError:  # Windows has no fcntl: no lock there
+    fcntl = None
+if fcntl is not None:
+    _export_lock = open(".nbdev-export.lock", "w")
+    fcntl.flock(_export_lock, fcntl.LOCK_EX)
+
 _DIRECTIVE = re.compile(r"^\s*#\s*\|\s*(default_exp|exporti?|exports)\b[ \t]*([\w.]*)", re.M)
 
 
