@@ -132,7 +132,7 @@ def generate(model: PaliGemmaForConditionalGeneration, input_ids: torch.Tensor, 
                            position_ids=positions, kv_cache=kv_cache).logits[:, -1]
     return ids[:, S:S + t + 1]  # [B, T]; a finished row's later columns were never written: padding
 
-# %% ../book/08_kv_cache_and_generation.ipynb #c048
+# %% ../book/08_kv_cache_and_generation.ipynb #c050
 class DecodingLinear(nn.Linear):
     "nn.Linear that computes (W x^T)^T for up to `max_rows` rows: the same numbers, a faster BLAS kernel on CPU"
     max_rows = 16
@@ -161,7 +161,7 @@ def use_decoding_linears(model: PaliGemmaForConditionalGeneration) -> PaliGemmaF
                 setattr(parent, name, fast)
     return model
 
-# %% ../book/08_kv_cache_and_generation.ipynb #c051
+# %% ../book/08_kv_cache_and_generation.ipynb #c053
 def answer(model: PaliGemmaForConditionalGeneration, processor: PaliGemmaProcessor, images, prompts, **kw):
     "Images and prompts -> the generated answers as strings (one string for a single prompt string); `kw` go to generate"
     single = isinstance(prompts, str)

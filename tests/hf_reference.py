@@ -37,16 +37,17 @@ def ours_from_transformers_state(config: PaliGemmaConfig, state: dict, dtype=tor
     return ours
 
 
-def sharpen(model, factor: float = 3.0):
-    "Scale every weight matrix by `factor`, so random logits have clear maxima (exact token comparisons stay stable)"
+def sharpen(model, factor: float = 6.0):
+    """Scale every weight matrix but the embedding table by `factor`: the layers then outweigh the (tied) embedding,
+    so random models do not just repeat their input token, and logits have clear maxima for exact comparisons"""
     with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed_tokens" not in name:
                 p.mul_(factor)
     return model
 
 
-def transformers_pair(config: PaliGemmaConfig, seed: int = 0, factor: float = 3.0):
+def transformers_pair(config: PaliGemmaConfig, seed: int = 0, factor: float = 6.0):
     "A random (sharpened) transformers PaliGemma and ours with the same weights"
     import transformers
 
