@@ -1,0 +1,67 @@
+# Hand-written CLI wiring, not exported from a notebook: it only parses arguments and calls the library.
+"""Command line: `python -m paligemma_lib generate --model DIR --image PATH --prompt "caption en"`.
+
+Bad input (a missing file, an unreadable image, a folder that is not a checkpoint) ends with one
+line on stderr and exit status 1, not a traceback."""
+import argparse
+import sys
+
+import torch
+
+from .generation import answer
+from .processing import PaliGemmaProcessor, load_image, parse_loc_tokens
+from .weights import DTYPES, draw_boxes, load_pretrained, resolve_device
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m paligemma_lib", description="PaliGemma from scratch")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="answer one prompt about one image")
+    gen.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer.model)")
+    gen.add_argument("--image", required=True, help="image file")
+    gen.add_argument("--prompt", required=True, help='task prompt, e.g. "caption en", "answer en ...", "detect cat"')
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as stored in the checkpoint")
+    gen.add_argument("--device", default="auto", help="'auto' (GPU when present), 'cpu', 'cuda', ...")
+    gen.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    gen.add_argument("--draw", default=None, metavar="OUT.png", help="for detect prompts: save the image with the boxes")
+    return parser.parse_args(argv)
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    detect = args.prompt.strip().startswith("detect")
+    if args.draw and not detect:
+        raise ValueError(f"--draw saves the boxes of a 'detect ...' prompt; the prompt {args.prompt!r} asks for none")
+    image = load_image(args.image)  # before the (slow) model, so a bad image fails fast
+    device = resolve_device(args.device)
+    model = load_pretrained(args.model, dtype=args.dtype, device=device)
+    processor = PaliGemmaProcessor.from_pretrained(args.model)
+    generator = torch.Generator(device).manual_seed(args.seed) if args.seed is not None else None
+    text = answer(model, processor, image, args.prompt, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=generator)
+    print(text)
+    if detect:
+        objects = parse_loc_tokens(text, image.width, image.height)
+        for (x0, y0, x1, y1), label in objects:
+            print(f"{label or '?'}: x0={x0:.0f} y0={y0:.0f} x1={x1:.0f} y1={y1:.0f}")
+        if args.draw:
+            draw_boxes(image, objects).save(args.draw)
+            print(f"{len(objects)} boxes drawn on {args.draw}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return generate_command(args)
+    except (OSError, ValueError) as e:  # bad input: one line, no traceback
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
