@@ -13,8 +13,8 @@ Measured on the 2-core CPU of the book's build machine (torch 2.13.0, transforme
     config                      batch  ours   transformers  ratio  (ours with plain nn.Linear)
     mid (512 wide, 4 layers)      1    210    113           1.86x  (1.05x)
     mid (512 wide, 4 layers)      4    398    275           1.45x  (1.07x)
-    3B widths, 2+2 layers         1    6.6    5.8           1.13x  (prefill, compute-bound and identical, is ~1/4 of the time)
-    3B widths, 2+2 layers         4    12.2   7.2           1.70x
+    3B widths, 2+2 layers         1    6.3    5.4           1.17x  (prefill, compute-bound and identical, is ~1/4 of the time)
+    3B widths, 2+2 layers         4    12.0   7.1           1.70x
 
 The cache against recomputing every step (ours, mid config): 6x at batch 1, 9.5x at batch 4.
 """
