@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_reference import ours_from_transformers_state, sharpen  # noqa: E402
 
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig  # noqa: E402
-from paligemma_lib.generation import generate, use_decoding_linears  # noqa: E402
+from paligemma_lib.generation import generate  # noqa: E402
 
 NEW_TOKENS = 32
 CONFIGS = {
@@ -70,9 +70,9 @@ def build(config, folder):
     theirs.save_pretrained(folder)
     saved = load_file(str(Path(folder) / "model.safetensors"))
     ours = ours_from_transformers_state(config, saved)
-    plain = ours_from_transformers_state(config, saved)  # the same weights, with plain nn.Linear
+    plain = ours_from_transformers_state(config, saved)  # the same weights, kept in plain nn.Linear layers
     del saved
-    return use_decoding_linears(ours), plain, theirs
+    return ours, plain, theirs
 
 
 def run_theirs(theirs, inputs):
@@ -81,8 +81,9 @@ def run_theirs(theirs, inputs):
     return out[:, inputs["input_ids"].shape[1]:]
 
 
-def run_ours(ours, inputs, cache="static"):
-    return generate(ours, **inputs, max_new_tokens=NEW_TOKENS, eos_token_id=None, cache=cache)
+def run_ours(ours, inputs, cache="static", decoding_linears=True):
+    return generate(ours, **inputs, max_new_tokens=NEW_TOKENS, eos_token_id=None, cache=cache,
+                    decoding_linears=decoding_linears)
 
 
 def timed(fn):
@@ -96,8 +97,8 @@ def compare(ours, plain, theirs, inputs, repeats, extras):
     same = torch.equal(run_ours(ours, inputs), run_theirs(theirs, inputs))  # (also the warm-up)
     runs = {"ours": lambda: run_ours(ours, inputs), "theirs": lambda: run_theirs(theirs, inputs)}
     if extras:
-        run_ours(plain, inputs)
-        runs["ours, nn.Linear"] = lambda: run_ours(plain, inputs)
+        run_ours(plain, inputs, decoding_linears=False)
+        runs["ours, nn.Linear"] = lambda: run_ours(plain, inputs, decoding_linears=False)
         runs["ours, no cache"] = lambda: run_ours(ours, inputs, cache="none")
     times = {name: [] for name in runs}
     for _ in range(repeats):

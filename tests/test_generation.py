@@ -119,8 +119,10 @@ def test_greedy_equals_transformers_generate(kv_heads):
     with torch.no_grad():
         their_out = theirs.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=1, pad_token_id=0)
     expected = their_out[:, inputs["input_ids"].shape[1]:]
-    assert torch.equal(generate(ours, **inputs, max_new_tokens=12), expected)
-    assert torch.equal(generate(use_decoding_linears(ours), **inputs, max_new_tokens=12), expected)
+    assert torch.equal(generate(ours, **inputs, max_new_tokens=12, decoding_linears=False), expected)
+    assert type(ours.language_model.lm_head) is torch.nn.Linear
+    assert torch.equal(generate(ours, **inputs, max_new_tokens=12), expected)  # the default swaps the layers
+    assert type(ours.language_model.lm_head) is DecodingLinear
 
 
 def test_sampling_with_a_seed_repeats():
@@ -203,7 +205,7 @@ def test_use_decoding_linears_keeps_parameters_and_tokens():
     model = model_for(config)
     inputs = prompts(config, [4, 1])
     before = model.state_dict(keep_vars=True)
-    expected = generate(model, **inputs, max_new_tokens=8, eos_token_id=None)
+    expected = generate(model, **inputs, max_new_tokens=8, eos_token_id=None, decoding_linears=False)
     use_decoding_linears(model)
     after = model.state_dict(keep_vars=True)
     assert list(after) == list(before) and all(after[k] is before[k] for k in before)
@@ -211,3 +213,12 @@ def test_use_decoding_linears_keeps_parameters_and_tokens():
     linears = [m for m in model.language_model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 7 * config.text.num_hidden_layers + 1 and all(type(m) is DecodingLinear for m in linears)
     assert torch.equal(generate(model, **inputs, max_new_tokens=8, eos_token_id=None), expected)
+
+
+def test_decoding_linear_takes_the_usual_product_off_the_cpu(monkeypatch):
+    "Only the CPU gets the transposed product; elsewhere (a meta tensor stands in for a GPU here) F.linear runs"
+    calls = []
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: calls.append(a) or torch.empty(1, 40, device="meta"))
+    fast = DecodingLinear(24, 40, device="meta")
+    fast(torch.empty(1, 24, device="meta"))
+    assert len(calls) == 1
