@@ -2,6 +2,7 @@
 import pytest
 import torch
 import transformers
+from hf_reference import transformers_pair
 
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
 from paligemma_lib.gemma import additive_mask
@@ -20,24 +21,9 @@ def tiny_config(kv_heads=1, head_dim=16, image_size=28, vision_width=32):
         image_token_index=IMAGE, projection_dim=48)
 
 
-OURS_TO_TRANSFORMERS = {"vision_tower.vision_model.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector.",
-                        "language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head."}
-
-
 def pair(config):
-    "A random transformers PaliGemma and ours holding the same weights"
-    torch.manual_seed(0)
-    theirs = transformers.PaliGemmaForConditionalGeneration(transformers.PaliGemmaConfig(**config.to_hf())).eval()
-    ours = PaliGemmaForConditionalGeneration(config).eval()
-    their_state = theirs.state_dict()
-    mapped = {}
-    for name in ours.state_dict():
-        prefix = next(p for p in OURS_TO_TRANSFORMERS if name.startswith(p))
-        mapped[name] = their_state[OURS_TO_TRANSFORMERS[prefix] + name[len(prefix):]]
-    assert set(their_state) == {OURS_TO_TRANSFORMERS[next(p for p in OURS_TO_TRANSFORMERS if n.startswith(p))]
-                                + n[len(next(p for p in OURS_TO_TRANSFORMERS if n.startswith(p))):] for n in mapped}
-    ours.load_state_dict(mapped)
-    return ours, theirs
+    "A random transformers PaliGemma and ours holding the same weights (every tensor copied, none left over)"
+    return transformers_pair(config, factor=1.0)
 
 
 def batch(n_img, rows, side="right", vocab=280, seed=0):
