@@ -15,6 +15,12 @@ from .config import VisionConfig
 def check_pixel_values(pixel_values: torch.Tensor, config: VisionConfig):
     "Raise a clear error unless `pixel_values` is [B, num_channels, image_size, image_size]"
     expected = (config.num_channels, config.image_size, config.image_size)
+    if not pixel_values.is_floating_point():
+        raise ValueError(
+            f"pixel_values has dtype {pixel_values.dtype}; expected floats normalised to [-1, 1] "
+            f"(raw 0..255 pixels would give meaningless features): "
+            f"paligemma_lib.processing.process_images(images, image_size={config.image_size}) makes them"
+        )
     if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
         raise ValueError(
             f"pixel_values has shape {list(pixel_values.shape)}; expected [batch, {', '.join(map(str, expected))}] "

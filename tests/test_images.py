@@ -170,3 +170,9 @@ def test_full_size_parameter_count_on_meta():
     with torch.device("meta"):
         layer = SiglipVisionEmbeddings(VisionConfig())
     assert sum(p.numel() for p in layer.parameters()) == 1152 * 3 * 14 * 14 + 1152 + 256 * 1152
+
+
+def test_embeddings_reject_raw_integer_pixels():
+    config = VisionConfig(hidden_size=8, num_attention_heads=2, image_size=28, patch_size=14)
+    with pytest.raises(ValueError, match="torch.uint8.*process_images"):
+        SiglipVisionEmbeddings(config)(torch.zeros(1, 3, 28, 28, dtype=torch.uint8))
