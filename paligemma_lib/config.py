@@ -63,6 +63,12 @@ class VisionConfig:
 # %% ../book/05_gemma_decoder.ipynb #c006
 def _check_gemma_variant(d: dict):
     "Refuse text_config settings that change the architecture in ways this implementation does not support"
+    if d.get("model_type", "gemma") != "gemma":
+        raise ValueError(
+            f"text_config has model_type {d['model_type']!r}; only 'gemma' (the Gemma of PaliGemma 1) is implemented. "
+            f"Gemma 2 (model_type 'gemma2', the language model of PaliGemma 2) is not supported: it needs attention "
+            f"logit soft-capping, query_pre_attn_scalar and sliding-window attention, which this model does not have"
+        )
     rope = d.get("rope_parameters") or {}
     if d.get("rope_scaling") or rope.get("rope_type", "default") != "default":
         raise ValueError(
@@ -96,6 +102,12 @@ class TextConfig:
     bos_token_id: int = 2
 
     def __post_init__(self):
+        sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "max_position_embeddings"]
+        for name in sizes + ["num_hidden_layers"]:
+            value, smallest = getattr(self, name), 0 if name == "num_hidden_layers" else 1
+            if not isinstance(value, int) or value < smallest:
+                raise ValueError(f"{name}={value!r}: it must be an integer of at least {smallest}")
         if self.num_attention_heads % self.num_key_value_heads:
             divisors = [n for n in range(1, self.num_attention_heads + 1) if self.num_attention_heads % n == 0]
             raise ValueError(

@@ -82,10 +82,6 @@ class GemmaRotaryEmbedding(nn.Module):
 # %% ../book/05_gemma_decoder.ipynb #c003
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from .config import TextConfig
 
 # %% ../book/05_gemma_decoder.ipynb #c015
@@ -95,7 +91,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
         return x
     B, KV, S, D = x.shape
     x = x[:, :, None].expand(B, KV, n_rep, S, D)  # [B, KV, n_rep, S, D], a view
-    return x.reshape(B, KV * n_rep, S, D)  # query head h gets key/value head h // n_rep
+    return x.reshape(B, KV * n_rep, S, D)  # [B, H, S, D], a copy: query head h gets key/value head h // n_rep
 
 # %% ../book/05_gemma_decoder.ipynb #c024
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -149,9 +145,9 @@ class GemmaAttention(nn.Module):
                 f"attention_mask covers {attention_mask.shape[-1]} keys but layer {self.layer_idx} attends to "
                 f"{k.shape[-2]} (cached + new); the mask needs one column per key"
             )
-        groups = self.config.num_key_value_groups
+        num_key_value_groups = self.config.num_key_value_groups
         out = F.scaled_dot_product_attention(
-            q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=attention_mask,
+            q, repeat_kv(k, num_key_value_groups), repeat_kv(v, num_key_value_groups), attn_mask=attention_mask,
             dropout_p=self.config.attention_dropout if self.training else 0.0, scale=self.head_dim**-0.5,
         )  # [B, H, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))  # [B, S, hidden]
@@ -175,6 +171,11 @@ class GemmaDecoderLayer(nn.Module):
 # %% ../book/05_gemma_decoder.ipynb #c035
 def prepare_attention_mask(attention_mask, batch_size: int, query_length: int, past_length: int, dtype, device):
     "None, a 2-D padding mask [B, K] or an additive 4-D mask [B, 1, Q, K] -> the additive mask in `dtype`"
+    if attention_mask is not None and attention_mask.ndim == 2 and attention_mask.shape[0] != batch_size:
+        raise ValueError(
+            f"the 2-D attention_mask has {attention_mask.shape[0]} rows but the input is a batch of {batch_size}; "
+            f"pass one padding mask row per sequence, [batch, keys]"
+        )
     if attention_mask is None or attention_mask.ndim == 2:
         return make_causal_mask(attention_mask, query_length, dtype, past_length, device)
     if attention_mask.ndim != 4 or attention_mask.shape[1] != 1 or attention_mask.shape[0] not in (1, batch_size) \
@@ -204,6 +205,11 @@ class GemmaModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         "Token ids [B, S] -> embeddings [B, S, hidden] times sqrt(hidden_size), the factor rounded to the weights' dtype"
+        if input_ids.is_floating_point():
+            raise ValueError(
+                f"input_ids has dtype {input_ids.dtype}; token ids must be integers (torch.long), as the tokenizer "
+                f"returns them. Vectors that are already embedded go in as inputs_embeds instead"
+            )
         if not input_ids.is_meta and input_ids.numel():  # (a meta tensor has no values to check)
             low, high = input_ids.min().item(), input_ids.max().item()
             if low < 0 or high >= self.config.vocab_size:
@@ -214,15 +220,34 @@ class GemmaModel(nn.Module):
         scale = torch.tensor(self.config.hidden_size**0.5, dtype=self.embed_tokens.weight.dtype)
         return self.embed_tokens(input_ids) * scale
 
+    def _check_inputs_embeds(self, inputs_embeds: torch.Tensor):
+        "Raise a clear error unless `inputs_embeds` is [B, S, hidden_size] in the model's dtype"
+        dtype, hidden = self.embed_tokens.weight.dtype, self.config.hidden_size
+        if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != hidden:
+            raise ValueError(f"inputs_embeds has shape {list(inputs_embeds.shape)}; expected [batch, seq, {hidden}]")
+        if inputs_embeds.dtype != dtype:
+            raise ValueError(
+                f"inputs_embeds has dtype {inputs_embeds.dtype} but the model's weights are {dtype}; "
+                f"cast them with inputs_embeds.to({dtype}) (or the model with .to({inputs_embeds.dtype}))"
+            )
+
     def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None, kv_cache=None):
         "-> the final hidden states [B, S, hidden]"
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids (token ids) and inputs_embeds (already embedded and scaled)")
+        if inputs_embeds is not None:
+            self._check_inputs_embeds(inputs_embeds)
         hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, hidden]
         B, S, _ = hidden_states.shape
         past_length = kv_cache.get_seq_length() if kv_cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past_length, past_length + S, device=hidden_states.device)[None]  # [1, S]
+        elif position_ids.ndim != 2 or position_ids.shape[0] not in (1, B) or position_ids.shape[1] != S:
+            expected = f"[1, {S}]" if B == 1 else f"[{B}, {S}] or [1, {S}]"
+            raise ValueError(
+                f"position_ids has shape {list(position_ids.shape)}; expected {expected}: one position per new "
+                f"token (or leave it None for positions {past_length}, {past_length + 1}, ...)"
+            )
         mask = prepare_attention_mask(attention_mask, B, S, past_length, hidden_states.dtype, hidden_states.device)
         position_embeddings = self.rotary_emb(position_ids, hidden_states.dtype)  # (cos, sin), shared by all layers
         for layer in self.layers:

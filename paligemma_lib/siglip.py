@@ -53,7 +53,14 @@ import torch.nn.functional as F
 # %% ../book/02_attention.ipynb #c012
 def explicit_attention(query, key, value, attn_mask=None, dropout_p=0.0, scale=None):
     """Attention written out; returns (output [B, H, Q, d], weights [B, H, Q, K]).
-    Same arguments and numbers as `F.scaled_dot_product_attention`; `attn_mask` is additive."""
+    Same arguments, and the same numbers as `F.scaled_dot_product_attention` for an additive float
+    `attn_mask` (0 = attend, very negative = blocked); a boolean mask is refused."""
+    if attn_mask is not None and not attn_mask.is_floating_point():
+        raise ValueError(
+            f"attn_mask has dtype {attn_mask.dtype}; explicit_attention adds the mask to the scores, so it must be "
+            f"additive floats (0 where attention is allowed, torch.finfo(dtype).min where not). For a boolean "
+            f"'may attend' mask use torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)"
+        )
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     scores = (query @ key.transpose(-2, -1)) * scale  # [B, H, Q, K]
     if attn_mask is not None:

@@ -4,7 +4,7 @@ from dataclasses import asdict
 import pytest
 import torch
 import transformers.models.gemma.modeling_gemma as hf_gemma
-from transformers import GemmaConfig, PaliGemmaConfig
+from transformers import Gemma2Config, GemmaConfig, PaliGemmaConfig
 
 from paligemma_lib.config import TextConfig
 from paligemma_lib.gemma import (
@@ -91,6 +91,32 @@ def test_right_padded_batch_equals_transformers(variant):
         alone = ours(input_ids[1:2, :5]).logits  # the padded sequence on its own
     assert (ours_logits - theirs)[real].abs().max().item() <= 1e-4
     torch.testing.assert_close(ours_logits[1, :5], alone[0], atol=1e-5, rtol=1e-5)  # padding changes nothing
+
+
+@pytest.mark.parametrize("variant", ["1 KV head", "2 KV heads of 4"])
+def test_explicit_position_ids_equal_transformers(variant):
+    reference, ours = reference_and_ours(tiny(**VARIANTS[variant]))
+    input_ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(7))
+    one_based = torch.arange(1, 8)[None]  # PaliGemma's positions start at 1
+    with_a_gap = torch.tensor([[0, 1, 2, 10, 11, 12, 13]])
+    left_padded = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    from_mask = (left_padded.cumsum(-1) - 1).clamp(min=0)  # [[0, 0, 0, 0, 1, 2, 3], [0, ..., 6]]
+    with torch.no_grad():
+        default = ours(input_ids).logits
+        for positions in [one_based, with_a_gap, one_based.expand(2, 7)]:
+            logits = ours(input_ids, position_ids=positions).logits
+            theirs = reference(input_ids=input_ids, position_ids=positions).logits
+            assert (logits - theirs).abs().max().item() <= 1e-4
+            if positions is with_a_gap:
+                assert not torch.allclose(logits, default, atol=1e-3)  # the positions are used...
+            else:
+                torch.testing.assert_close(logits, default, atol=1e-4, rtol=1e-4)  # ...and only their differences
+        ours_left = ours(input_ids, attention_mask=left_padded, position_ids=from_mask).logits
+        theirs_left = reference(input_ids=input_ids, attention_mask=left_padded, position_ids=from_mask).logits
+        alone = ours(input_ids[:1, 3:]).logits  # the left-padded sequence without its padding
+    real = left_padded.bool()
+    assert (ours_left - theirs_left)[real].abs().max().item() <= 1e-4
+    torch.testing.assert_close(ours_left[0, 3:], alone[0], atol=1e-4, rtol=1e-4)  # padding changes nothing
 
 
 def test_4d_mask_equals_2d_mask():
@@ -209,6 +235,26 @@ def test_clear_errors_for_bad_inputs():
         model(ids, attention_mask=torch.zeros(1, 3, 3))
     with pytest.raises(ValueError, match="one column per key"):
         model(ids, attention_mask=torch.zeros(1, 1, 3, 5))
+
+
+def test_clear_errors_for_mismatched_batch_positions_and_dtypes():
+    model = GemmaForCausalLM(tiny())
+    ids = torch.tensor([[2, 5, 9], [4, 6, 8]])
+    with pytest.raises(ValueError, match="2 rows but the input is a batch of 1"):
+        model(ids[:1], attention_mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="1 rows but the input is a batch of 2"):
+        model(ids, attention_mask=torch.ones(1, 3))
+    for bad in [torch.arange(4)[None], torch.arange(3), torch.zeros(3, 3, dtype=torch.long)]:
+        with pytest.raises(ValueError, match=r"position_ids has shape .*expected \[2, 3\] or \[1, 3\]"):
+            model(ids, position_ids=bad)
+    with pytest.raises(ValueError, match="must be integers.*inputs_embeds"):
+        model(ids.float())
+    with pytest.raises(ValueError, match=r"inputs_embeds.to\(torch.float32\)"):
+        model(inputs_embeds=model.model.embed(ids).bfloat16())
+    with pytest.raises(ValueError, match=r"expected \[batch, seq, 64\]"):
+        model(inputs_embeds=torch.zeros(2, 3, 32))
+    model(ids, position_ids=torch.arange(1, 4)[None])  # [1, S] and [B, S] are both fine
+    model(ids, position_ids=torch.arange(1, 4).expand(2, 3))
 
 
 # ---- building blocks ------------------------------------------------------------------------------------
@@ -357,12 +403,23 @@ def test_text_config_round_trips_through_transformers():
     old_spelling = {k: v for k, v in asdict(config).items()}  # top-level rope_theta, no rope_parameters
     assert TextConfig.from_hf({**old_spelling, "hidden_act": "gelu", "hidden_activation": None}) == config
     assert TextConfig.from_hf({**old_spelling, "hidden_activation": "gelu_pytorch_tanh"}) == config
+    # hidden_activation wins over hidden_act: with them disagreeing, only the override can pass
+    assert TextConfig.from_hf({**old_spelling, "hidden_act": "relu", "hidden_activation": "gelu_pytorch_tanh"}) == config
+    with pytest.raises(ValueError, match="relu"):
+        TextConfig.from_hf({**old_spelling, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "relu"})
 
 
 @pytest.mark.parametrize("bad, words", [
     (dict(num_attention_heads=8, num_key_value_heads=3), "[1, 2, 4, 8]"),
     (dict(head_dim=15), "even"),
     (dict(hidden_act="relu"), "gelu_pytorch_tanh"),
+    (dict(num_key_value_heads=0), "num_key_value_heads=0"),
+    (dict(num_attention_heads=-8), "num_attention_heads=-8"),
+    (dict(hidden_size=0), "hidden_size=0"),
+    (dict(head_dim=0), "head_dim=0"),
+    (dict(vocab_size=0), "vocab_size=0"),
+    (dict(intermediate_size=-1), "intermediate_size=-1"),
+    (dict(num_hidden_layers=-1), "num_hidden_layers=-1"),
 ])
 def test_text_config_refuses_bad_settings(bad, words):
     with pytest.raises(ValueError) as error:
@@ -379,3 +436,16 @@ def test_text_config_refuses_bad_settings(bad, words):
 def test_text_config_refuses_unsupported_variants(setting):
     with pytest.raises(ValueError):
         TextConfig.from_hf(setting)
+
+
+def test_text_config_accepts_zero_layers():
+    assert TextConfig(num_hidden_layers=0).num_hidden_layers == 0
+
+
+@pytest.mark.parametrize("text_config", [Gemma2Config().to_dict(), {"model_type": "gemma3_text"}])
+def test_text_config_refuses_other_model_types_naming_gemma_2(text_config):
+    with pytest.raises(ValueError) as error:
+        TextConfig.from_hf(text_config)
+    for words in ["Gemma 2", "PaliGemma 2", "soft-capping", "query_pre_attn_scalar", "sliding-window"]:
+        assert words in str(error.value)
+    assert TextConfig.from_hf({"model_type": "gemma"}) == TextConfig.from_hf({}) == TextConfig()

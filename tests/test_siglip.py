@@ -113,6 +113,7 @@ def test_wrong_pixel_shape_names_both_shapes(shape, words):
     with pytest.raises(ValueError) as info:
         model(torch.zeros(shape))
     assert words in str(info.value) and "[batch, 3, 56, 56]" in str(info.value)
+    assert "process_images" in str(info.value) and "image_size=56" in str(info.value)  # how to make the right one
 
 
 def test_full_config_shapes_and_parameter_count_on_meta():
@@ -142,6 +143,17 @@ def test_explicit_attention_equals_sdpa(dtype, masked):
     tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(out, expected, **tol)
     assert weights.shape == (2, 3, 7, 7) and weights.dtype == dtype and not weights.isnan().any()
+
+
+def test_explicit_attention_refuses_a_boolean_mask():
+    q, k, v = torch.randn(3, 1, 2, 4, 8, generator=torch.Generator().manual_seed(0))  # [B, H, N, d]
+    allowed = torch.ones(4, 4, dtype=torch.bool).tril()
+    additive = torch.zeros(4, 4).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    # SDPA reads True as "may attend", which is the additive mask's meaning, not "+1"
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
+                               explicit_attention(q, k, v, attn_mask=additive)[0])
+    with pytest.raises(ValueError, match="additive"):
+        explicit_attention(q, k, v, attn_mask=allowed)
 
 
 def test_attention_module_paths_agree_and_dropout_only_in_training():
