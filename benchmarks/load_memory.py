@@ -49,7 +49,7 @@ def make_checkpoint(folder: Path, seed: int = 0):
 
 
 MEASURE = """
-import time, torch
+import json, time, torch
 from pathlib import Path
 from paligemma_lib.weights import load_pretrained
 
@@ -65,8 +65,8 @@ with torch.no_grad():
     for p in model.parameters():
         p.amax()  # read every byte, so the whole model is resident
 after = status()
-print({{'before': before, 'after': after, 'load_s': loaded, 'dtype': str(next(model.parameters()).dtype),
-       'parameters': sum(p.numel() for p in model.parameters())}})
+print(json.dumps({{'before': before, 'after': after, 'load_s': loaded, 'dtype': str(next(model.parameters()).dtype),
+                  'parameters': sum(p.numel() for p in model.parameters())}}))
 """
 
 
@@ -79,7 +79,7 @@ def main(folder: str):
     file_size = (folder / SINGLE_FILE).stat().st_size
     run = subprocess.run([sys.executable, "-c", MEASURE.format(folder=str(folder))], capture_output=True, text=True,
                          check=True)
-    result = eval(run.stdout.strip().splitlines()[-1])
+    result = json.loads(run.stdout.strip().splitlines()[-1])
     gb = 1e9
     print(f"file: {file_size / gb:.2f} GB ({result['parameters']:,} parameters in {result['dtype']})")
     print(f"RSS after imports: {result['before']['VmRSS'] / gb:.2f} GB; load_pretrained: {result['load_s']:.1f} s")

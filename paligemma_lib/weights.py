@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['KEY_MAP', 'EMBEDDING', 'LM_HEAD', 'SINGLE_FILE', 'INDEX_FILE', 'DTYPES', 'BOX_COLOURS', 'CheckpointError',
            'read_safetensors_header', 'our_name', 'checkpoint_files', 'stored_tensors', 'check_tensors',
-           'resolve_dtype', 'resolve_device', 'read_tensors', 'load_pretrained', 'save_pretrained',
+           'resolve_dtype', 'resolve_device', 'check_tied_head', 'read_tensors', 'load_pretrained', 'save_pretrained',
            'find_real_checkpoint', 'draw_boxes']
 
 # %% ../book/09_loading_real_weights.ipynb #c003
@@ -30,14 +30,24 @@ class CheckpointError(ValueError):
 def read_safetensors_header(path) -> dict:
     "The JSON header of a .safetensors file: tensor name -> {'dtype', 'shape', 'data_offsets'} (and '__metadata__')"
     path = Path(path)
+    file_size = path.stat().st_size
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")  # the header's length in bytes
-        header = f.read(size) if 0 < size <= path.stat().st_size - 8 else b""
+        header = f.read(size) if 0 < size <= file_size - 8 else b""
     try:
-        return json.loads(header)
-    except ValueError:
+        header = json.loads(header)
+        data_end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         raise CheckpointError(f"{path} is not a readable safetensors file (its header is damaged); "
                               f"is the download complete?") from None
+    promised = 8 + size + data_end
+    if promised > file_size:
+        raise CheckpointError(f"{path} is truncated: its header promises {promised} bytes, the file has {file_size}; "
+                              f"is the download complete?")
+    if promised < file_size:
+        raise CheckpointError(f"{path} has {file_size - promised} bytes after the data its header describes; "
+                              f"the file is damaged: download it again")
+    return header
 
 # %% ../book/09_loading_real_weights.ipynb #c021
 KEY_MAP = {  # prefix in a file or state dict -> prefix of our parameter name (the Hub files' spelling)
@@ -181,6 +191,17 @@ def resolve_device(device) -> torch.device:
     return device
 
 # %% ../book/09_loading_real_weights.ipynb #c032
+def check_tied_head(head: tuple, embedding: tuple):
+    "A stored LM head (file, key, shape, dtype) must equal the embedding table; both are compared as the files store them"
+    def as_stored(file, key, *_):
+        with safe_open(file, framework="pt") as f:
+            return f.get_tensor(key)  # on the CPU a view of the memory-mapped file, no copy
+
+    if head[3] != embedding[3] or not torch.equal(as_stored(*head), as_stored(*embedding)):
+        raise CheckpointError(f"the checkpoint's {head[1]} differs from its embedding table; this model "
+                              f"ties the two (as PaliGemma does) and cannot hold a separate LM head")
+
+
 def read_tensors(stored: dict, dtype: torch.dtype, device: torch.device, progress: bool = False) -> dict:
     "Our name -> tensor in `dtype` on `device`; without a conversion the tensor is a view of the memory-mapped file"
     by_file = {}
@@ -212,10 +233,9 @@ def load_pretrained(path, dtype=None, device=None, progress: bool | None = None)
     dtype, device = resolve_dtype(dtype, stored[EMBEDDING][3]), resolve_device(device)
     if progress is None:
         progress = sum(f.stat().st_size for f in files) > 2**30
+    if LM_HEAD in stored:  # compared as stored, then dropped: never converted, never a second copy of the table
+        check_tied_head(stored.pop(LM_HEAD), stored[EMBEDDING])
     state = read_tensors(stored, dtype, device, progress)
-    if LM_HEAD in state and not torch.equal(state.pop(LM_HEAD), state[EMBEDDING]):
-        raise CheckpointError(f"the checkpoint's {stored[LM_HEAD][1]} differs from its embedding table; this model "
-                              f"ties the two (as PaliGemma does) and cannot hold a separate LM head")
     state[LM_HEAD] = state[EMBEDDING]
     model.load_state_dict(state, strict=True, assign=True)
     model.language_model.tie_weights()  # assign=True gave lm_head its own Parameter

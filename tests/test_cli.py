@@ -1,5 +1,6 @@
 """Chapter 9: `python -m paligemma_lib generate` on a checkpoint folder; bad input gives one line and exit status 1."""
 import re
+import shutil
 import subprocess
 import sys
 
@@ -9,9 +10,10 @@ from PIL import Image
 
 from paligemma_lib.__main__ import main
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
+from paligemma_lib.generation import answer
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
-from paligemma_lib.processing import GemmaTokenizer, PaliGemmaProcessor, default_tokenizer_path
-from paligemma_lib.weights import save_pretrained
+from paligemma_lib.processing import GemmaTokenizer, PaliGemmaProcessor, default_tokenizer_path, load_image
+from paligemma_lib.weights import load_pretrained, save_pretrained
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,10 @@ def test_generate_prints_the_answer(checkpoint):
               "--max-new-tokens", "5", "--dtype", "fp32", "--device", "cpu")
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() and "Traceback" not in run.stderr
+    model = load_pretrained(checkpoint / "model", dtype="fp32", device="cpu")
+    processor = PaliGemmaProcessor.from_pretrained(checkpoint / "model")
+    expected = answer(model, processor, load_image(checkpoint / "image.png"), "caption en", max_new_tokens=5)
+    assert run.stdout == expected + "\n"  # the CLI prints what the library answers, and nothing else
 
 
 def test_detect_draws_and_sampling_is_seeded(checkpoint, tmp_path, capsys):
@@ -54,7 +60,10 @@ def test_detect_draws_and_sampling_is_seeded(checkpoint, tmp_path, capsys):
     args = ["generate", "--model", str(checkpoint / "model"), "--image", str(checkpoint / "image.png"),
             "--prompt", "detect cat", "--max-new-tokens", "6", "--draw", str(out)]
     assert main(args) == 0
-    assert "boxes drawn on" in capsys.readouterr().out and Image.open(out).size == (64, 48)
+    assert "boxes drawn on" in capsys.readouterr().out
+    with Image.open(out) as drawn:
+        assert drawn.format == "PNG" and drawn.size == (64, 48)
+        drawn.verify()  # a complete, valid PNG
     sampled = args[:5] + ["--prompt", "caption en", "--do-sample", "--temperature", "1.5", "--top-k", "50",
                           "--top-p", "0.9", "--seed", "3"]
     texts = []
@@ -70,10 +79,23 @@ def test_detect_draws_and_sampling_is_seeded(checkpoint, tmp_path, capsys):
     ("not_a_checkpoint", "is not a PaliGemma checkpoint: it has no config.json"),
     ("missing_model", "no checkpoint folder at .*absent"),
     ("draw_without_detect", "--draw saves the boxes of a 'detect ...' prompt"),
+    ("truncated", r"model\.safetensors is truncated: its header promises \d+ bytes, the file has \d+; is the download"),
+    ("no_tokenizer", "has no tokenizer.model"),
+    ("sampling_without_do_sample", "add --do-sample to sample"),
 ])
-def test_bad_input_is_one_line_and_a_nonzero_status(checkpoint, case, expected):
+def test_bad_input_is_one_line_and_a_nonzero_status(checkpoint, tmp_path, case, expected):
     model, image, extra = checkpoint / "model", checkpoint / "image.png", []
-    if case == "missing_image":
+    if case in ("truncated", "no_tokenizer"):
+        model = tmp_path / "model"
+        shutil.copytree(checkpoint / "model", model)
+        if case == "truncated":  # a download cut short: safetensors' own error would be a traceback
+            data = (model / "model.safetensors").read_bytes()
+            (model / "model.safetensors").write_bytes(data[:len(data) // 2])
+        else:
+            (model / "tokenizer.model").unlink()
+    elif case == "sampling_without_do_sample":
+        extra = ["--temperature", "0.5"]
+    elif case == "missing_image":
         image = checkpoint / "missing.png"
     elif case == "unreadable_image":
         image = checkpoint / "not-an-image.png"
@@ -88,3 +110,14 @@ def test_bad_input_is_one_line_and_a_nonzero_status(checkpoint, case, expected):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in run.stderr
     assert re.search(expected, lines[0]), lines[0]
+
+
+def test_a_folder_without_tokenizer_fails_before_the_weights_load(checkpoint, tmp_path, monkeypatch, capsys):
+    import paligemma_lib.__main__ as cli_module
+
+    monkeypatch.setattr(cli_module, "load_pretrained", lambda *a, **kw: pytest.fail("the weights were loaded first"))
+    shutil.copytree(checkpoint / "model", tmp_path / "model")
+    (tmp_path / "model" / "tokenizer.model").unlink()
+    args = ["generate", "--model", str(tmp_path / "model"), "--image", str(checkpoint / "image.png"), "--prompt", "caption en"]
+    assert main(args) == 1
+    assert "has no tokenizer.model" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,6 +244,12 @@ def break_checkpoint(theirs, folder, how):
         (good / "model.safetensors").unlink()
     elif how == "no_config":
         (good / "config.json").unlink()
+    elif how == "truncated":  # a download cut short: the header is intact, the data is not all there
+        file = good / "model.safetensors"
+        file.write_bytes(file.read_bytes()[:-100])
+    elif how == "trailing_bytes":
+        file = good / "model.safetensors"
+        file.write_bytes(file.read_bytes() + b"\0" * 10)
     elif how == "damaged_file":
         (good / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     elif how == "bad_config":
@@ -266,6 +273,9 @@ BROKEN = {
     "no_weights": r"no model\.safetensors or model\.safetensors\.index\.json",
     "no_config": r"not a PaliGemma checkpoint: it has no config\.json",
     "damaged_file": r"model\.safetensors is not a readable safetensors file",
+    "truncated": r"model\.safetensors is truncated: its header promises (\d+) bytes, the file has \d+; "
+                 r"is the download complete\?",
+    "trailing_bytes": r"model\.safetensors has 10 bytes after the data its header describes",
     "bad_config": r"config\.json does not describe .*num_key_value_heads 3",
 }
 
@@ -275,6 +285,54 @@ def test_bad_checkpoints_fail_with_a_message_naming_the_problem(theirs, tmp_path
     folder = break_checkpoint(theirs, tmp_path / "ckpt", how)
     with pytest.raises(CheckpointError, match=BROKEN[how]):
         load_pretrained(folder)
+
+
+def test_truncated_file_names_both_sizes(theirs, tmp_path):
+    folder = write_checkpoint(theirs, tmp_path / "ckpt", "hub", False)
+    size = (folder / "model.safetensors").stat().st_size
+    break_checkpoint(theirs, folder, "truncated")
+    with pytest.raises(CheckpointError, match=f"promises {size} bytes, the file has {size - 100};"):
+        read_safetensors_header(folder / "model.safetensors")
+
+
+def test_a_stored_lm_head_is_compared_as_stored_and_never_converted(theirs, tmp_path):
+    "A head that differs from the embedding below bfloat16's precision is still a different head"
+    folder = write_checkpoint(theirs, tmp_path / "ckpt", "in_memory", False)  # holds lm_head.weight, equal to the table
+    model = load_pretrained(folder, dtype="bf16")
+    assert model.language_model.lm_head.weight is model.language_model.model.embed_tokens.weight
+    state = theirs.state_dict()
+    embedding = state["model.language_model.embed_tokens.weight"]
+    head = embedding.bfloat16().float()  # the table rounded to bfloat16: equal to it once both are converted
+    assert torch.equal(head.bfloat16(), embedding.bfloat16()) and not torch.equal(head, embedding)
+    write_state({**state, "lm_head.weight": head}, tmp_path / "nearly", json.dumps(theirs.config.to_dict()))
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from its embedding table"):
+        load_pretrained(tmp_path / "nearly", dtype="bf16")
+
+
+def mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    "Address ranges at which this process maps `path`, from /proc/self/maps (Linux)"
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path.resolve())):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
+def test_loading_in_the_stored_dtype_makes_no_second_copy(theirs, tmp_path):
+    "A float32 parameter loaded as stored lies inside the mapping of model.safetensors; a converted one does not"
+    folder = write_checkpoint(theirs, tmp_path / "ckpt", "hub", False)
+    file = folder / "model.safetensors"
+    model = load_pretrained(folder)
+    ranges = mapped_ranges(file)
+    assert ranges, "the file is not mapped"
+    for p in [model.language_model.model.embed_tokens.weight, model.multi_modal_projector.linear.weight,
+              model.vision_tower.vision_model.post_layernorm.bias]:
+        assert p.dtype == torch.float32 and any(start <= p.data_ptr() < end for start, end in ranges)
+    converted = load_pretrained(folder, dtype="bf16")
+    address = converted.language_model.model.embed_tokens.weight.data_ptr()
+    assert not any(start <= address < end for start, end in mapped_ranges(file))
 
 
 def test_not_a_folder(tmp_path):
