@@ -144,7 +144,20 @@ class TextConfig:
         rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
         return {"model_type": "gemma", **asdict(self), "rope_parameters": rope_parameters, "tie_word_embeddings": True}
 
-# %% ../book/07_paligemma.ipynb #c006
+# %% ../book/07_paligemma.ipynb #c007
+def _check_num_image_tokens(d: dict, vision: VisionConfig):
+    "A config.json may state num_image_tokens at the top and in both sub-configs; each must be what the vision sizes give"
+    for where, section in [("at the top level", d), ("in vision_config", d.get("vision_config") or {}),
+                           ("in text_config", d.get("text_config") or {})]:
+        given = section.get("num_image_tokens")
+        if given is not None and given != vision.num_image_tokens:
+            raise ValueError(
+                f"num_image_tokens {given} {where} contradicts the vision settings: image_size {vision.image_size} / "
+                f"patch_size {vision.patch_size} = {vision.num_patches_per_side} patches per side, "
+                f"{vision.num_image_tokens} image tokens; correct config.json"
+            )
+
+
 @dataclass
 class PaliGemmaConfig:
     "PaliGemma settings: a SigLIP `vision` config, a Gemma `text` config, and how they are joined"
@@ -178,9 +191,11 @@ class PaliGemmaConfig:
         if "image_token_id" in d and "image_token_index" not in d:  # the newer spelling
             d["image_token_index"] = d["image_token_id"]
         top = known_fields(cls, {k: v for k, v in d.items() if k not in ("vision", "text")})
-        text = TextConfig.from_hf(d.get("text_config") or {})
+        text = TextConfig.from_hf(d.get("text_config") or {})  # refuses a model_type other than "gemma"
+        vision = VisionConfig.from_hf(d.get("vision_config") or {})
+        _check_num_image_tokens(d, vision)
         top.setdefault("projection_dim", text.hidden_size)
-        return cls(vision=VisionConfig.from_hf(d.get("vision_config") or {}), text=text, **top)
+        return cls(vision=vision, text=text, **top)
 
     def to_hf(self) -> dict:
         "A config.json dict that transformers' PaliGemmaConfig reads"

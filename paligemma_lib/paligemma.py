@@ -4,7 +4,7 @@
 __all__ = ['IGNORE_INDEX', 'PaliGemmaMultiModalProjector', 'PaliGemmaOutput', 'PaliGemmaForConditionalGeneration',
            'make_prefix_lm_mask', 'position_ids_from_mask', 'next_token_loss']
 
-# %% ../book/07_paligemma.ipynb #c002
+# %% ../book/07_paligemma.ipynb #c003
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +14,7 @@ from .config import PaliGemmaConfig
 from .gemma import GemmaForCausalLM, additive_mask
 from .siglip import SiglipVisionModel
 
-# %% ../book/07_paligemma.ipynb #c009
+# %% ../book/07_paligemma.ipynb #c010
 class PaliGemmaMultiModalProjector(nn.Module):
     "One linear layer from the vision tower's width to the language model's: [B, N, 1152] -> [B, N, 2048]"
 
@@ -25,7 +25,7 @@ class PaliGemmaMultiModalProjector(nn.Module):
     def forward(self, image_features: torch.Tensor) -> torch.Tensor:
         return self.linear(image_features)
 
-# %% ../book/07_paligemma.ipynb #c012
+# %% ../book/07_paligemma.ipynb #c013
 @dataclass
 class PaliGemmaOutput:
     "What the model returns: next-token `logits` [B, S, vocab], the `loss` when labels are given, the `kv_cache`"
@@ -53,17 +53,21 @@ class PaliGemmaForConditionalGeneration(nn.Module):
         "Embed `input_ids` and write `image_features` into the `<image>` positions, row by row"
         inputs_embeds = self.language_model.model.embed(input_ids)  # [B, S, D], scaled by sqrt(D)
         is_image = input_ids == self.config.image_token_index  # [B, S]
-        expected = image_features.shape[0] * image_features.shape[1]
-        if is_image.sum().item() != expected:
+        num_images, num_features = image_features.shape[:2]
+        if num_images != input_ids.shape[0]:
+            raise ValueError(f"{num_images} images for {input_ids.shape[0]} prompts: PaliGemma takes one image per prompt")
+        per_row = is_image.sum(-1)  # [B]
+        wrong = (per_row != num_features).nonzero().flatten().tolist()
+        if wrong:
             raise ValueError(
-                f"input_ids hold {is_image.sum().item()} <image> tokens but the images give {expected} features "
-                f"({image_features.shape[0]} images x {image_features.shape[1]}); each prompt needs exactly "
-                f"{image_features.shape[1]} <image> tokens (PaliGemmaProcessor adds them)"
+                f"row {wrong[0]} of input_ids holds {per_row[wrong[0]].item()} <image> tokens but its image gives "
+                f"{num_features} features ({len(wrong)} such rows); each prompt needs exactly {num_features} "
+                f"<image> tokens (PaliGemmaProcessor adds them)"
             )
         features = image_features.to(inputs_embeds.dtype).reshape(-1, inputs_embeds.shape[-1])
         return inputs_embeds.masked_scatter(is_image.unsqueeze(-1), features)
 
-# %% ../book/07_paligemma.ipynb #c016
+# %% ../book/07_paligemma.ipynb #c017
 def make_prefix_lm_mask(attention_mask: torch.Tensor, token_type_ids: torch.Tensor, num_queries: int = None) -> torch.Tensor:
     "Boolean [B, Q, K] mask, True where query i may attend to key j: bidirectional over the prefix, causal over the suffix"
     block = token_type_ids.long().cumsum(-1)  # [B, K]: 0 for the prefix, k for the k-th suffix token
@@ -73,13 +77,13 @@ def make_prefix_lm_mask(attention_mask: torch.Tensor, token_type_ids: torch.Tens
     allowed = block[:, None, :] <= query_block[:, :, None]  # [B, Q, K]
     return allowed & valid[:, None, :] & query_valid[:, :, None]
 
-# %% ../book/07_paligemma.ipynb #c023
+# %% ../book/07_paligemma.ipynb #c024
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     "1-based positions that skip padding: [B, S] of 1/0 -> [B, S] (padding gets 1)"
     positions = attention_mask.long().cumsum(-1)
     return positions.masked_fill(attention_mask == 0, 1)
 
-# %% ../book/07_paligemma.ipynb #c026
+# %% ../book/07_paligemma.ipynb #c027
 IGNORE_INDEX = -100
 
 
@@ -88,7 +92,7 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # [B, S]: the next token's label
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), shifted.flatten(), ignore_index=IGNORE_INDEX)
 
-# %% ../book/07_paligemma.ipynb #c028
+# %% ../book/07_paligemma.ipynb #c029
 def _forward(self: PaliGemmaForConditionalGeneration, input_ids, pixel_values=None, attention_mask=None,
              token_type_ids=None, labels=None, position_ids=None, kv_cache=None, logits_to_keep: int = 0) -> PaliGemmaOutput:
     "Logits for every position of `input_ids`, or the last `logits_to_keep` (and the loss on the suffix when `labels` are given)"
@@ -105,6 +109,9 @@ def _forward(self: PaliGemmaForConditionalGeneration, input_ids, pixel_values=No
         )
     if pixel_values is not None:
         inputs_embeds = self.merge_image_features(input_ids, self.get_image_features(pixel_values))
+    elif past == 0 and bool((input_ids == self.config.image_token_index).any()):  # not a decoding step
+        raise ValueError("input_ids hold <image> tokens but no pixel_values were given: pass the images "
+                         "(PaliGemmaProcessor returns them as pixel_values)")
     else:
         inputs_embeds = self.language_model.model.embed(input_ids)  # [B, S, D]
     if position_ids is None:

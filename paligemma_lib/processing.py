@@ -400,10 +400,12 @@ def _image_settings(folder: Path) -> dict:
     vision, text = config.get("vision_config", {}), config.get("text_config", {})
     if "image_size" in vision:
         found.setdefault("image_size", {})["config.json"] = vision["image_size"]
-        if "patch_size" in vision:
-            found.setdefault("num_image_tokens", {})["config.json"] = (vision["image_size"] // vision["patch_size"]) ** 2
-    if "num_image_tokens" in text:
-        found.setdefault("num_image_tokens", {})["config.json"] = text["num_image_tokens"]
+        if "patch_size" in vision:  # each source of a setting under its own name, so a contradiction shows
+            found.setdefault("num_image_tokens", {})["config.json (vision_config: image_size / patch_size, squared)"] = (
+                vision["image_size"] // vision["patch_size"]) ** 2
+    for where, section in [("top level", config), ("vision_config", vision), ("text_config", text)]:
+        if "num_image_tokens" in section:
+            found.setdefault("num_image_tokens", {})[f"config.json ({where})"] = section["num_image_tokens"]
     for name in ["processor_config.json", "preprocessor_config.json"]:
         settings = _read_json(folder / name)
         settings = settings.get("image_processor", settings)

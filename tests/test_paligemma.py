@@ -2,7 +2,7 @@
 import pytest
 import torch
 import transformers
-from hf_reference import transformers_pair
+from hf_reference import transformers_name, transformers_pair
 
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
 from paligemma_lib.gemma import additive_mask
@@ -70,6 +70,24 @@ def test_config_errors():
         PaliGemmaConfig(image_token_index=300000)
 
 
+@pytest.mark.parametrize("where", ["top", "vision_config", "text_config"])
+def test_config_num_image_tokens_must_follow_from_the_vision_sizes(where):
+    hf = tiny_config().to_hf()  # image_size 28, patch_size 14: 4 image tokens, stated in both sub-configs
+    assert PaliGemmaConfig.from_hf({**hf, "num_image_tokens": 4}).num_image_tokens == 4
+    if where == "top":
+        hf["num_image_tokens"] = 9
+    else:
+        hf[where] = {**hf[where], "num_image_tokens": 9}
+    with pytest.raises(ValueError, match=r"num_image_tokens 9 .*contradicts the vision settings.* 4 image tokens"):
+        PaliGemmaConfig.from_hf(hf)
+
+
+def test_config_refuses_gemma2():
+    hf = tiny_config().to_hf()
+    with pytest.raises(ValueError, match="gemma2"):
+        PaliGemmaConfig.from_hf({**hf, "text_config": {**hf["text_config"], "model_type": "gemma2"}})
+
+
 def test_full_model_names_and_parameter_count_match_transformers_on_meta():
     config = PaliGemmaConfig()
     with torch.device("meta"):
@@ -79,6 +97,9 @@ def test_full_model_names_and_parameter_count_match_transformers_on_meta():
     n_theirs = sum(p.numel() for p in theirs.parameters())
     assert n_ours == n_theirs
     assert 2_900_000_000 < n_ours < 3_000_000_000
+    their_shapes = {name: tuple(p.shape) for name, p in theirs.named_parameters(remove_duplicate=False)}
+    our_shapes = {transformers_name(name): tuple(p.shape) for name, p in ours.named_parameters(remove_duplicate=False)}
+    assert our_shapes == their_shapes  # every name, through the shared map, and every shape
 
 
 def definition(mask, types):
@@ -162,8 +183,30 @@ def test_wrong_number_of_image_tokens_is_a_clear_error():
     config = tiny_config()
     model = PaliGemmaForConditionalGeneration(config).eval()
     ids = torch.tensor([[IMAGE] * 3 + [2, 5, 108]])
-    with pytest.raises(ValueError, match="3 <image> tokens but the images give 4 features"):
+    with pytest.raises(ValueError, match="row 0 of input_ids holds 3 <image> tokens but its image gives 4 features"):
         model(ids, torch.randn(1, 3, 28, 28))
+
+
+def test_image_tokens_are_counted_row_by_row():
+    "Five <image> tokens in one row and three in the other make the right total, and are still an error"
+    model = PaliGemmaForConditionalGeneration(tiny_config()).eval()
+    ids = torch.tensor([[IMAGE] * 4 + [2, 5, 108], [IMAGE] * 4 + [2, 5, 108]])
+    ids[1, 5] = IMAGE  # row 1: five
+    ids[0, 0] = 2  # row 0: three
+    assert (ids == IMAGE).sum() == 2 * 4
+    with pytest.raises(ValueError, match=r"^row 0 of input_ids holds 3 <image> tokens .* \(2 such rows\)"):
+        model(ids, torch.randn(2, 3, 28, 28))
+    with pytest.raises(ValueError, match="2 images for 1 prompts"):
+        model(ids[:1], torch.randn(2, 3, 28, 28))
+
+
+def test_image_tokens_without_pixel_values_are_an_error():
+    model = PaliGemmaForConditionalGeneration(tiny_config()).eval()
+    ids = torch.tensor([[IMAGE] * 4 + [2, 5, 108]])
+    with pytest.raises(ValueError, match="<image> tokens but no pixel_values"):
+        model(ids)
+    with torch.no_grad():
+        model(ids[:, 4:])  # text alone, with no <image> token, is fine
 
 
 def test_mask_shapes_must_cover_the_sequence():

@@ -318,6 +318,17 @@ def test_from_pretrained_reads_a_folder_saved_by_transformers(layout, tmp_path):
     assert (loaded.image_size, loaded.num_image_tokens, loaded.image_token_id) == (224, 256, ours.image_token_id)
 
 
+@pytest.mark.parametrize("where", ["top", "vision_config", "text_config"])
+def test_contradicting_entries_of_config_json_are_an_error(tokenizer, tmp_path, where):
+    "num_image_tokens stated anywhere in config.json must match (image_size / patch_size)^2: no silent override"
+    tokenizer.save(tmp_path / "tokenizer.model")
+    config = {"vision_config": {"image_size": 448, "patch_size": 14}, "text_config": {}}
+    (config if where == "top" else config[where])["num_image_tokens"] = 256
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"disagree on num_image_tokens.*1024.*256"):
+        PaliGemmaProcessor.from_pretrained(tmp_path)
+
+
 def test_from_pretrained_reads_config_json_and_checks_agreement(tokenizer, tmp_path):
     tokenizer.save(tmp_path / "tokenizer.model")
     with pytest.raises(ValueError, match="found no image_size or num_image_tokens"):
