@@ -6,7 +6,7 @@ from PIL import Image
 from hf_reference import sharpen, transformers_pair
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
 from paligemma_lib.generation import (
-    DecodingLinear, answer, generate, next_token, top_k_filter, top_p_filter, use_decoding_linears)
+    DecodingLinear, answer, decoding_linears, generate, next_token, top_k_filter, top_p_filter)
 from paligemma_lib.kv_cache import DynamicKVCache, StaticKVCache
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
 from paligemma_lib.processing import GemmaTokenizer, PaliGemmaProcessor, default_tokenizer_path
@@ -121,8 +121,8 @@ def test_greedy_equals_transformers_generate(kv_heads):
     expected = their_out[:, inputs["input_ids"].shape[1]:]
     assert torch.equal(generate(ours, **inputs, max_new_tokens=12, decoding_linears=False), expected)
     assert type(ours.language_model.lm_head) is torch.nn.Linear
-    assert torch.equal(generate(ours, **inputs, max_new_tokens=12), expected)  # the default swaps the layers
-    assert type(ours.language_model.lm_head) is DecodingLinear
+    assert torch.equal(generate(ours, **inputs, max_new_tokens=12), expected)  # DecodingLinear within generate
+    assert type(ours.language_model.lm_head) is torch.nn.Linear  # and the model is left as it was
 
 
 def test_sampling_with_a_seed_repeats():
@@ -152,10 +152,20 @@ def test_filters_keep_the_right_tokens():
     torch.testing.assert_close(torch.bincount(draws, minlength=5) / 20000.0, (logits[0] / 2).softmax(-1), atol=0.015, rtol=0)
 
 
+def test_top_p_one_keeps_every_token_of_a_large_vocabulary():
+    "float32's cumsum reaches 1.0 long before the end of a peaked 257k-token distribution; top_p=1.0 must keep all"
+    logits = torch.cat([torch.tensor([[30.0]]), torch.zeros(1, 257215)], 1)
+    assert logits.softmax(-1).cumsum(-1)[0, 1].item() == 1.0  # the reason for the special case
+    assert torch.isfinite(top_p_filter(logits, 1.0)).all()
+    assert torch.isfinite(top_p_filter(logits, 0.5)).sum() == 1
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(do_sample=True, temperature=0.0), "temperature"), (dict(do_sample=True, top_k=0), "top_k"),
     (dict(do_sample=True, top_p=1.5), "top_p"), (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(cache="paged"), "cache='paged'")])
+    (dict(cache="paged"), "cache='paged'"),
+    (dict(temperature=0.7), "pass do_sample=True to sample"), (dict(top_k=5), "pass do_sample=True to sample"),
+    (dict(top_p=0.9), "pass do_sample=True to sample")])
 def test_bad_arguments_are_clear_errors(kw, message):
     config = tiny_config()
     model = model_for(config)
@@ -188,6 +198,20 @@ def test_answer_returns_strings():
     assert answer(model, processor, images[0], "caption en", max_new_tokens=6) == texts[0]
 
 
+def test_answer_takes_eos_and_pad_from_the_tokenizer(monkeypatch):
+    "answer passes the tokenizer's <eos> and <pad> ids to generate, unless the caller gives them"
+    tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
+    config = tiny_config(vocab=len(tokenizer), image_token=tokenizer.image_token_id)
+    processor = PaliGemmaProcessor(tokenizer, image_size=28, num_image_tokens=config.num_image_tokens)
+    seen = []
+    import paligemma_lib.generation as generation
+    monkeypatch.setattr(generation, "generate", lambda *a, **kw: seen.append(kw) or torch.tensor([[5, 6]]))
+    generation.answer(model_for(config), processor, Image.new("RGB", (30, 30)), "caption en")
+    generation.answer(model_for(config), processor, Image.new("RGB", (30, 30)), "caption en", eos_token_id=None)
+    assert (seen[0]["eos_token_id"], seen[0]["pad_token_id"]) == (tokenizer.eos_id, tokenizer.pad_id)
+    assert seen[1]["eos_token_id"] is None
+
+
 @pytest.mark.parametrize("rows", [1, 3, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_decoding_linear_equals_linear(rows, bias):
@@ -200,19 +224,62 @@ def test_decoding_linear_equals_linear(rows, bias):
     torch.testing.assert_close(fast(x[None]), plain(x[None]))
 
 
-def test_use_decoding_linears_keeps_parameters_and_tokens():
+def module_types(model):
+    return {name: type(module) for name, module in model.named_modules()}
+
+
+def test_decoding_linears_lends_the_same_parameters_and_puts_the_modules_back():
     config = tiny_config()
     model = model_for(config)
     inputs = prompts(config, [4, 1])
+    types, modules = module_types(model), dict(model.named_modules())
     before = model.state_dict(keep_vars=True)
+    with decoding_linears(model):
+        inside = model.state_dict(keep_vars=True)
+        assert list(inside) == list(before) and all(inside[k] is before[k] for k in before)
+        assert model.language_model.lm_head.weight is model.language_model.model.embed_tokens.weight
+        linears = [m for m in model.language_model.modules() if isinstance(m, torch.nn.Linear)]
+        assert len(linears) == 7 * config.text.num_hidden_layers + 1 and all(type(m) is DecodingLinear for m in linears)
+    assert module_types(model) == types and all(m is modules[n] for n, m in model.named_modules())
     expected = generate(model, **inputs, max_new_tokens=8, eos_token_id=None, decoding_linears=False)
-    use_decoding_linears(model)
-    after = model.state_dict(keep_vars=True)
-    assert list(after) == list(before) and all(after[k] is before[k] for k in before)
-    assert model.language_model.lm_head.weight is model.language_model.model.embed_tokens.weight
-    linears = [m for m in model.language_model.modules() if isinstance(m, torch.nn.Linear)]
-    assert len(linears) == 7 * config.text.num_hidden_layers + 1 and all(type(m) is DecodingLinear for m in linears)
+    assert module_types(model) == types
     assert torch.equal(generate(model, **inputs, max_new_tokens=8, eos_token_id=None), expected)
+    assert module_types(model) == types and all(m is modules[n] for n, m in model.named_modules())
+    assert all(type(m) is torch.nn.Linear for m in model.language_model.modules() if isinstance(m, torch.nn.Linear))
+    assert model.language_model.lm_head.weight is model.language_model.model.embed_tokens.weight  # still tied
+    assert model.state_dict(keep_vars=True).keys() == before.keys()
+
+
+def test_decoding_linears_puts_the_modules_back_after_an_error():
+    config = tiny_config()
+    model = model_for(config)
+    types = module_types(model)
+    with pytest.raises(RuntimeError, match="inside the block"):
+        with decoding_linears(model):
+            assert type(model.language_model.lm_head) is DecodingLinear
+            raise RuntimeError("inside the block")
+    assert module_types(model) == types
+    inputs = prompts(config, [3])
+    with pytest.raises(ValueError, match="pass do_sample=True"):  # an error raised by generate itself
+        generate(model, **inputs, temperature=0.5)
+    assert module_types(model) == types
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic", "none"])
+def test_the_vision_tower_runs_once_per_image(cache):
+    "Prefill encodes each image once; with a cache, decoding steps never touch the vision tower again"
+    config = tiny_config()
+    model = model_for(config)
+    inputs = prompts(config, [5, 2, 8])
+    calls = []
+    hook = model.vision_tower.register_forward_hook(lambda module, args, output: calls.append(args[0].shape[0]))
+    tokens = generate(model, **inputs, max_new_tokens=6, eos_token_id=None, cache=cache)
+    hook.remove()
+    assert tokens.shape == (3, 6)
+    if cache == "none":  # recomputation: the prefill and every later step encode the images again
+        assert calls == [3] * 6
+    else:
+        assert calls == [3]
 
 
 def test_decoding_linear_takes_the_usual_product_off_the_cpu(monkeypatch):
