@@ -12,14 +12,15 @@ Measured on the 2-core CPU of the book's build machine (torch 2.13.0, transforme
 `generate` with its defaults (inside `decoding_linears(model)` on the CPU):
 
     config                      batch  ours   transformers  ratio  (ours with decoding_linears=False)
-    mid (512 wide, 4 layers)      1    208.5  114.5         1.82x  (1.10x)
-    mid (512 wide, 4 layers)      4    437.0  282.4         1.55x  (1.06x)
-    3B widths, 2+2 layers         1    6.9    5.7           1.21x  (prefill, compute-bound and identical, is ~1/4 of the time)
-    3B widths, 2+2 layers         4    12.1   7.1           1.71x
+    mid (512 wide, 4 layers)      1    194.3  109.8         1.77x  (1.05x)
+    mid (512 wide, 4 layers)      4    387.8  266.0         1.46x  (1.08x)
+    3B widths, 2+2 layers         1    6.4    5.6           1.16x  (prefill, compute-bound and identical, is ~1/4 of the time)
+    3B widths, 2+2 layers         4    12.1   7.1           1.70x
 
-The cache against recomputing every step (ours, mid config): 6.1x at batch 1, 9.3x at batch 4.
-Same tokens as transformers in every row. An earlier run of the 3B-width config gave 1.17x at batch 1:
-at that size a decoding step streams the 2.1 GB float32 LM head from memory, so the margin is small.
+The cache against recomputing every step (ours, mid config): 7.5x at batch 1, 9.7x at batch 4.
+Same tokens as transformers in every row. Earlier runs of the 3B-width config gave 1.17x and 1.21x at
+batch 1: at that size a decoding step streams the 2.1 GB float32 LM head from memory (about 104 ms a
+step for ours, 132 ms for transformers), so the margin is bounded by memory bandwidth.
 
 Does the single-row route (one row given twice to the matrix-matrix kernel) earn its place? `--only mid
 --repeats 5`, two quiet runs back to back: as the library is, 198.4 tok/s at batch 1 (1.79x transformers;
