@@ -282,5 +282,10 @@ def draw_boxes(image, objects, width: int = 3) -> Image.Image:
     for i, ((x0, y0, x1, y1), label) in enumerate(objects):
         colour = BOX_COLOURS[i % len(BOX_COLOURS)]
         draw.rectangle((x0, y0, x1, y1), outline=colour, width=width)
-        draw.text((x0 + width + 2, y0 + width + 1), label, fill=colour)
+        if label:  # white text on a tab of the box's colour, above the box (inside it at the top edge)
+            text_box = draw.textbbox((0, 0), label)
+            w, h = text_box[2] - text_box[0] + 6, text_box[3] - text_box[1] + 6
+            top = y0 - h if y0 - h >= 0 else y0
+            draw.rectangle((x0, top, x0 + w, top + h), fill=colour)
+            draw.text((x0 + 3, top + 3 - text_box[1]), label, fill="white")
     return image
