@@ -29,6 +29,7 @@ Does the single-row route (one row given twice to the matrix-matrix kernel) earn
 busy machine (other jobs on the same 2 cores) one run gave 0.70x at batch 1 with the single-row route and
 1.06x with plain nn.Linear in the same run: measure on a quiet machine.
 """
+
 import argparse
 import statistics
 import sys
@@ -49,13 +50,29 @@ from paligemma_lib.generation import generate  # noqa: E402
 NEW_TOKENS = 32
 CONFIGS = {
     "mid (vision 256x4 @112px, text 512x4, vocab 8192)": PaliGemmaConfig(
-        vision=VisionConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                            image_size=112, patch_size=14),
-        text=TextConfig(vocab_size=8192, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=1, head_dim=64),
-        image_token_index=8191, projection_dim=512),
+        vision=VisionConfig(
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            image_size=112,
+            patch_size=14,
+        ),
+        text=TextConfig(
+            vocab_size=8192,
+            hidden_size=512,
+            intermediate_size=2048,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=1,
+            head_dim=64,
+        ),
+        image_token_index=8191,
+        projection_dim=512,
+    ),
     "3B widths and vocab, 2+2 layers @224px": PaliGemmaConfig(
-        vision=VisionConfig(num_hidden_layers=2), text=TextConfig(num_hidden_layers=2)),
+        vision=VisionConfig(num_hidden_layers=2), text=TextConfig(num_hidden_layers=2)
+    ),
 }
 
 
@@ -63,35 +80,65 @@ def prompts(config, batch_size, seed=0):
     "Left-padded prompts of different lengths: image tokens, <bos>, 8 to 20 random tokens, newline"
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(8, 21, (batch_size,), generator=g).tolist()
-    seqs = [[config.image_token_index] * config.num_image_tokens + [2]
-            + torch.randint(3, 8000, (n,), generator=g).tolist() + [108] for n in lengths]
+    seqs = [
+        [config.image_token_index] * config.num_image_tokens
+        + [2]
+        + torch.randint(3, 8000, (n,), generator=g).tolist()
+        + [108]
+        for n in lengths
+    ]
     S = max(map(len, seqs))
     ids = torch.tensor([[0] * (S - len(s)) + s for s in seqs])
     mask = torch.tensor([[0] * (S - len(s)) + [1] * len(s) for s in seqs])
-    pixels = torch.randn(batch_size, 3, config.vision.image_size, config.vision.image_size, generator=g)
-    return dict(input_ids=ids, pixel_values=pixels, attention_mask=mask, token_type_ids=torch.zeros_like(ids))
+    pixels = torch.randn(
+        batch_size, 3, config.vision.image_size, config.vision.image_size, generator=g
+    )
+    return dict(
+        input_ids=ids,
+        pixel_values=pixels,
+        attention_mask=mask,
+        token_type_ids=torch.zeros_like(ids),
+    )
 
 
 def build(config, folder):
     "A random transformers model, saved to `folder`, and ours loaded from the saved file"
     torch.manual_seed(0)
-    theirs = transformers.PaliGemmaForConditionalGeneration(transformers.PaliGemmaConfig(**config.to_hf())).eval()
+    theirs = transformers.PaliGemmaForConditionalGeneration(
+        transformers.PaliGemmaConfig(**config.to_hf())
+    ).eval()
     sharpen(theirs)  # clear logit maxima, so the token check below is exact
-    theirs.generation_config.eos_token_id = None  # both generate exactly NEW_TOKENS tokens
+    theirs.generation_config.eos_token_id = (
+        None  # both generate exactly NEW_TOKENS tokens
+    )
     theirs.save_pretrained(folder)
-    ours = ours_from_transformers_state(config, load_file(str(Path(folder) / "model.safetensors")))
+    ours = ours_from_transformers_state(
+        config, load_file(str(Path(folder) / "model.safetensors"))
+    )
     return ours, theirs
 
 
 def run_theirs(theirs, inputs):
     with torch.inference_mode():
-        out = theirs.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=0, do_sample=False, pad_token_id=0)
-    return out[:, inputs["input_ids"].shape[1]:]
+        out = theirs.generate(
+            **inputs,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=0,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[:, inputs["input_ids"].shape[1] :]
 
 
 def run_ours(ours, inputs, cache="static", decoding_linears=True):
-    return generate(ours, **inputs, max_new_tokens=NEW_TOKENS, eos_token_id=None, cache=cache,
-                    decoding_linears=decoding_linears)
+    return generate(
+        ours,
+        **inputs,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=None,
+        cache=cache,
+        decoding_linears=decoding_linears,
+    )
 
 
 def timed(fn):
@@ -102,10 +149,17 @@ def timed(fn):
 
 def compare(ours, theirs, inputs, repeats, extras):
     "Alternate ours and theirs (and the extras) `repeats` times after a warm-up; median seconds per run"
-    same = torch.equal(run_ours(ours, inputs), run_theirs(theirs, inputs))  # (also the warm-up)
-    runs = {"ours": lambda: run_ours(ours, inputs), "theirs": lambda: run_theirs(theirs, inputs)}
+    same = torch.equal(
+        run_ours(ours, inputs), run_theirs(theirs, inputs)
+    )  # (also the warm-up)
+    runs = {
+        "ours": lambda: run_ours(ours, inputs),
+        "theirs": lambda: run_theirs(theirs, inputs),
+    }
     if extras:
-        same = same and torch.equal(run_ours(ours, inputs, decoding_linears=False), run_ours(ours, inputs))
+        same = same and torch.equal(
+            run_ours(ours, inputs, decoding_linears=False), run_ours(ours, inputs)
+        )
         runs["ours, nn.Linear"] = lambda: run_ours(ours, inputs, decoding_linears=False)
         runs["ours, no cache"] = lambda: run_ours(ours, inputs, cache="none")
     times = {name: [] for name in runs}
@@ -120,8 +174,10 @@ def main():
     parser.add_argument("--only", choices=["mid", "3b"], help="run one config only")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
-          f"greedy, {NEW_TOKENS} new tokens, median of {args.repeats} alternating runs after a warm-up")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+        f"greedy, {NEW_TOKENS} new tokens, median of {args.repeats} alternating runs after a warm-up"
+    )
     for index, (name, config) in enumerate(CONFIGS.items()):
         if args.only and args.only != ("mid", "3b")[index]:
             continue
@@ -132,11 +188,15 @@ def main():
                 repeats = args.repeats if index == 0 else max(2, args.repeats // 2)
                 same, t = compare(ours, theirs, inputs, repeats, extras=index == 0)
                 rate = {k: batch_size * NEW_TOKENS / v for k, v in t.items()}
-                line = (f"{name} | batch {batch_size} | ours {rate['ours']:7.1f} tok/s | transformers "
-                        f"{rate['theirs']:7.1f} tok/s | ours/transformers {rate['ours'] / rate['theirs']:.2f}x")
+                line = (
+                    f"{name} | batch {batch_size} | ours {rate['ours']:7.1f} tok/s | transformers "
+                    f"{rate['theirs']:7.1f} tok/s | ours/transformers {rate['ours'] / rate['theirs']:.2f}x"
+                )
                 if "ours, no cache" in rate:
-                    line += (f" | ours with nn.Linear {rate['ours, nn.Linear'] / rate['theirs']:.2f}x transformers"
-                             f" | ours cache/no-cache {rate['ours'] / rate['ours, no cache']:.1f}x")
+                    line += (
+                        f" | ours with nn.Linear {rate['ours, nn.Linear'] / rate['theirs']:.2f}x transformers"
+                        f" | ours cache/no-cache {rate['ours'] / rate['ours, no cache']:.1f}x"
+                    )
                 print(line + f" | same tokens: {same}", flush=True)
             del ours, theirs
 

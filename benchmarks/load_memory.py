@@ -12,6 +12,7 @@ Measured on the 2-core, 24 GiB development machine (torch 2.13 CPU, safetensors 
 when touched); after reading every parameter RSS 6.17 GB, of which 5.94 GB file-backed (the mapped checkpoint
 and the shared libraries) and 0.23 GB anonymous; peak RSS 6.17 GB = the file + 0.32 GB, 1.06 x the file.
 """
+
 import json
 import subprocess
 import sys
@@ -30,11 +31,17 @@ def make_checkpoint(folder: Path, seed: int = 0):
     config = PaliGemmaConfig()
     with torch.device("meta"):
         model = PaliGemmaForConditionalGeneration(config)
-    shapes = {name: list(p.shape) for name, p in model.named_parameters()}  # the tied LM head appears once
+    shapes = {
+        name: list(p.shape) for name, p in model.named_parameters()
+    }  # the tied LM head appears once
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape in shapes.items():
         size = 2 * torch.Size(shape).numel()
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": "BF16",
+            "shape": shape,
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
@@ -45,7 +52,9 @@ def make_checkpoint(folder: Path, seed: int = 0):
         for name, shape in shapes.items():
             tensor = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
             f.write(tensor.view(torch.uint8).numpy().tobytes())
-    (folder / "config.json").write_text(json.dumps({**config.to_hf(), "dtype": "bfloat16"}, indent=2))
+    (folder / "config.json").write_text(
+        json.dumps({**config.to_hf(), "dtype": "bfloat16"}, indent=2)
+    )
 
 
 MEASURE = """
@@ -77,16 +86,28 @@ def main(folder: str):
         make_checkpoint(folder)
         print(f"made {folder / SINGLE_FILE} in {time.perf_counter() - start:.0f} s")
     file_size = (folder / SINGLE_FILE).stat().st_size
-    run = subprocess.run([sys.executable, "-c", MEASURE.format(folder=str(folder))], capture_output=True, text=True,
-                         check=True)
+    run = subprocess.run(
+        [sys.executable, "-c", MEASURE.format(folder=str(folder))],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     result = json.loads(run.stdout.strip().splitlines()[-1])
     gb = 1e9
-    print(f"file: {file_size / gb:.2f} GB ({result['parameters']:,} parameters in {result['dtype']})")
-    print(f"RSS after imports: {result['before']['VmRSS'] / gb:.2f} GB; load_pretrained: {result['load_s']:.1f} s")
-    print(f"after reading every parameter: RSS {result['after']['VmRSS'] / gb:.2f} GB "
-          f"(file-backed {result['after']['RssFile'] / gb:.2f} GB, anonymous {result['after']['RssAnon'] / gb:.2f} GB)")
+    print(
+        f"file: {file_size / gb:.2f} GB ({result['parameters']:,} parameters in {result['dtype']})"
+    )
+    print(
+        f"RSS after imports: {result['before']['VmRSS'] / gb:.2f} GB; load_pretrained: {result['load_s']:.1f} s"
+    )
+    print(
+        f"after reading every parameter: RSS {result['after']['VmRSS'] / gb:.2f} GB "
+        f"(file-backed {result['after']['RssFile'] / gb:.2f} GB, anonymous {result['after']['RssAnon'] / gb:.2f} GB)"
+    )
     peak = result["after"]["VmHWM"]
-    print(f"peak RSS {peak / gb:.2f} GB = file + {(peak - file_size) / gb:.2f} GB ({peak / file_size:.2f} x the file)")
+    print(
+        f"peak RSS {peak / gb:.2f} GB = file + {(peak - file_size) / gb:.2f} GB ({peak / file_size:.2f} x the file)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Chapters 4 and 5: Gemma's building blocks and decoder, checked against transformers' Gemma."""
+
 from dataclasses import asdict
 
 import pytest
@@ -23,8 +24,15 @@ from paligemma_lib.gemma import (
 
 
 def tiny(**overrides) -> TextConfig:
-    settings = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=1, head_dim=16)
+    settings = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     return TextConfig(**{**settings, **overrides})
 
 
@@ -39,7 +47,9 @@ VARIANTS = {
 def reference_and_ours(config: TextConfig, seed: int = 0):
     "transformers' GemmaForCausalLM (eager attention) with random weights, norms included, and ours loaded from it"
     torch.manual_seed(seed)
-    reference = hf_gemma.GemmaForCausalLM(GemmaConfig(**config.to_hf(), attn_implementation="eager")).eval()
+    reference = hf_gemma.GemmaForCausalLM(
+        GemmaConfig(**config.to_hf(), attn_implementation="eager")
+    ).eval()
     with torch.no_grad():
         for p in reference.parameters():
             p.normal_(0, 0.3)
@@ -71,16 +81,27 @@ class ConcatCache:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_logits_equal_transformers(variant):
     reference, ours = reference_and_ours(tiny(**VARIANTS[variant]))
-    input_ids = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(1))
+    input_ids = torch.randint(
+        0, 512, (2, 7), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
-        diff = (ours(input_ids).logits - reference(input_ids=input_ids).logits).abs().max().item()
+        diff = (
+            (ours(input_ids).logits - reference(input_ids=input_ids).logits)
+            .abs()
+            .max()
+            .item()
+        )
     assert diff <= 1e-4, diff
 
 
-@pytest.mark.parametrize("variant", ["1 KV head", "2 KV heads of 4", "head_dim 32 != 64/4"])
+@pytest.mark.parametrize(
+    "variant", ["1 KV head", "2 KV heads of 4", "head_dim 32 != 64/4"]
+)
 def test_right_padded_batch_equals_transformers(variant):
     reference, ours = reference_and_ours(tiny(**VARIANTS[variant]))
-    input_ids = torch.randint(3, 512, (3, 8), generator=torch.Generator().manual_seed(2))
+    input_ids = torch.randint(
+        3, 512, (3, 8), generator=torch.Generator().manual_seed(2)
+    )
     attention_mask = torch.ones(3, 8, dtype=torch.long)
     attention_mask[1, 5:] = 0
     attention_mask[2, 2:] = 0
@@ -90,17 +111,23 @@ def test_right_padded_batch_equals_transformers(variant):
         theirs = reference(input_ids=input_ids, attention_mask=attention_mask).logits
         alone = ours(input_ids[1:2, :5]).logits  # the padded sequence on its own
     assert (ours_logits - theirs)[real].abs().max().item() <= 1e-4
-    torch.testing.assert_close(ours_logits[1, :5], alone[0], atol=1e-5, rtol=1e-5)  # padding changes nothing
+    torch.testing.assert_close(
+        ours_logits[1, :5], alone[0], atol=1e-5, rtol=1e-5
+    )  # padding changes nothing
 
 
 @pytest.mark.parametrize("variant", ["1 KV head", "2 KV heads of 4"])
 def test_explicit_position_ids_equal_transformers(variant):
     reference, ours = reference_and_ours(tiny(**VARIANTS[variant]))
-    input_ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(7))
+    input_ids = torch.randint(
+        3, 512, (2, 7), generator=torch.Generator().manual_seed(7)
+    )
     one_based = torch.arange(1, 8)[None]  # PaliGemma's positions start at 1
     with_a_gap = torch.tensor([[0, 1, 2, 10, 11, 12, 13]])
     left_padded = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
-    from_mask = (left_padded.cumsum(-1) - 1).clamp(min=0)  # [[0, 0, 0, 0, 1, 2, 3], [0, ..., 6]]
+    from_mask = (left_padded.cumsum(-1) - 1).clamp(
+        min=0
+    )  # [[0, 0, 0, 0, 1, 2, 3], [0, ..., 6]]
     with torch.no_grad():
         default = ours(input_ids).logits
         for positions in [one_based, with_a_gap, one_based.expand(2, 7)]:
@@ -108,37 +135,63 @@ def test_explicit_position_ids_equal_transformers(variant):
             theirs = reference(input_ids=input_ids, position_ids=positions).logits
             assert (logits - theirs).abs().max().item() <= 1e-4
             if positions is with_a_gap:
-                assert not torch.allclose(logits, default, atol=1e-3)  # the positions are used...
+                assert not torch.allclose(
+                    logits, default, atol=1e-3
+                )  # the positions are used...
             else:
-                torch.testing.assert_close(logits, default, atol=1e-4, rtol=1e-4)  # ...and only their differences
-        ours_left = ours(input_ids, attention_mask=left_padded, position_ids=from_mask).logits
-        theirs_left = reference(input_ids=input_ids, attention_mask=left_padded, position_ids=from_mask).logits
-        alone = ours(input_ids[:1, 3:]).logits  # the left-padded sequence without its padding
+                torch.testing.assert_close(
+                    logits, default, atol=1e-4, rtol=1e-4
+                )  # ...and only their differences
+        ours_left = ours(
+            input_ids, attention_mask=left_padded, position_ids=from_mask
+        ).logits
+        theirs_left = reference(
+            input_ids=input_ids, attention_mask=left_padded, position_ids=from_mask
+        ).logits
+        alone = ours(
+            input_ids[:1, 3:]
+        ).logits  # the left-padded sequence without its padding
     real = left_padded.bool()
     assert (ours_left - theirs_left)[real].abs().max().item() <= 1e-4
-    torch.testing.assert_close(ours_left[0, 3:], alone[0], atol=1e-4, rtol=1e-4)  # padding changes nothing
+    torch.testing.assert_close(
+        ours_left[0, 3:], alone[0], atol=1e-4, rtol=1e-4
+    )  # padding changes nothing
 
 
 def test_4d_mask_equals_2d_mask():
     _, ours = reference_and_ours(tiny(num_key_value_heads=2))
-    input_ids = torch.randint(3, 512, (2, 6), generator=torch.Generator().manual_seed(3))
+    input_ids = torch.randint(
+        3, 512, (2, 6), generator=torch.Generator().manual_seed(3)
+    )
     padding = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
     mask_4d = make_causal_mask(padding, 6, torch.float32)
     with torch.no_grad():
         from_2d = ours(input_ids, attention_mask=padding).logits
-        torch.testing.assert_close(ours(input_ids, attention_mask=mask_4d).logits, from_2d, rtol=0, atol=0)
-        with_inf = mask_4d.masked_fill(mask_4d < 0, float("-inf"))  # -inf is clamped to the finite minimum
-        torch.testing.assert_close(ours(input_ids, attention_mask=with_inf).logits, from_2d, rtol=0, atol=0)
+        torch.testing.assert_close(
+            ours(input_ids, attention_mask=mask_4d).logits, from_2d, rtol=0, atol=0
+        )
+        with_inf = mask_4d.masked_fill(
+            mask_4d < 0, float("-inf")
+        )  # -inf is clamped to the finite minimum
+        torch.testing.assert_close(
+            ours(input_ids, attention_mask=with_inf).logits, from_2d, rtol=0, atol=0
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_has_no_nan_with_a_fully_masked_row(dtype):
     _, ours = reference_and_ours(tiny())
     ours = ours.to(dtype)
-    input_ids = torch.randint(3, 512, (2, 6), generator=torch.Generator().manual_seed(4))
+    input_ids = torch.randint(
+        3, 512, (2, 6), generator=torch.Generator().manual_seed(4)
+    )
     left_padded = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    assert (make_causal_mask(left_padded, 6, dtype)[0, 0, 0] < 0).all()  # query 0 sees no key
-    float32_mask = make_causal_mask(left_padded, 6, torch.float32)  # its minimum is -inf in float16
+    assert (
+        make_causal_mask(left_padded, 6, dtype)[0, 0, 0] < 0
+    ).all()  # query 0 sees no key
+    float32_mask = make_causal_mask(
+        left_padded, 6, torch.float32
+    )  # its minimum is -inf in float16
     with torch.no_grad():
         for mask in [left_padded, float32_mask]:
             logits = ours(input_ids, attention_mask=mask).logits
@@ -147,7 +200,9 @@ def test_half_precision_has_no_nan_with_a_fully_masked_row(dtype):
 
 def test_bfloat16_stays_close_to_float32():
     _, ours = reference_and_ours(tiny(num_key_value_heads=2))
-    input_ids = torch.randint(3, 512, (2, 6), generator=torch.Generator().manual_seed(5))
+    input_ids = torch.randint(
+        3, 512, (2, 6), generator=torch.Generator().manual_seed(5)
+    )
     with torch.no_grad():
         full = ours(input_ids).logits
         half = ours.to(torch.bfloat16)(input_ids).logits.float()
@@ -156,14 +211,26 @@ def test_bfloat16_stays_close_to_float32():
 
 def test_cache_hooks_give_the_same_logits_as_one_pass():
     _, ours = reference_and_ours(tiny(num_key_value_heads=2))
-    input_ids = torch.randint(3, 512, (2, 8), generator=torch.Generator().manual_seed(6))
+    input_ids = torch.randint(
+        3, 512, (2, 8), generator=torch.Generator().manual_seed(6)
+    )
     mask = torch.ones(2, 8, dtype=torch.long)
     with torch.no_grad():
         full = ours(input_ids, attention_mask=mask).logits
         cache = ConcatCache()
-        steps = [ours(input_ids[:, :5], attention_mask=mask[:, :5], kv_cache=cache).logits]
-        for t in range(5, 8):  # then one token at a time; positions continue from the cache's length
-            steps.append(ours(input_ids[:, t : t + 1], attention_mask=mask[:, : t + 1], kv_cache=cache).logits)
+        steps = [
+            ours(input_ids[:, :5], attention_mask=mask[:, :5], kv_cache=cache).logits
+        ]
+        for t in range(
+            5, 8
+        ):  # then one token at a time; positions continue from the cache's length
+            steps.append(
+                ours(
+                    input_ids[:, t : t + 1],
+                    attention_mask=mask[:, : t + 1],
+                    kv_cache=cache,
+                ).logits
+            )
     assert cache.get_seq_length() == 8
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
 
@@ -175,7 +242,9 @@ def test_state_dict_names_equal_transformers_and_head_is_tied():
     config = tiny(num_hidden_layers=3)
     ours = GemmaForCausalLM(config)
     theirs = hf_gemma.GemmaForCausalLM(GemmaConfig(**config.to_hf()))
-    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {
+        k: v.shape for k, v in theirs.state_dict().items()
+    }
     assert ours.lm_head.weight is ours.model.embed_tokens.weight
     assert (ours.model.embed_tokens.weight[config.pad_token_id] == 0).all()
     assert all((layer.input_layernorm.weight == 0).all() for layer in ours.model.layers)
@@ -193,7 +262,11 @@ def test_full_size_on_meta_has_transformers_parameter_count():
     with torch.device("meta"):
         ours = GemmaForCausalLM(TextConfig())
         theirs = hf_gemma.GemmaForCausalLM(GemmaConfig(**TextConfig().to_hf()))
-    assert sum(p.numel() for p in ours.parameters()) == theirs.num_parameters() == 2_508_662_784
+    assert (
+        sum(p.numel() for p in ours.parameters())
+        == theirs.num_parameters()
+        == 2_508_662_784
+    )
     shapes = {k: v.shape for k, v in ours.state_dict().items()}
     assert shapes == {k: v.shape for k, v in theirs.state_dict().items()}
     assert shapes["model.layers.17.self_attn.k_proj.weight"] == (256, 2048)
@@ -201,7 +274,9 @@ def test_full_size_on_meta_has_transformers_parameter_count():
 
 
 def test_embedding_scale_in_bfloat16_equals_transformers():
-    config = tiny(hidden_size=2048, num_attention_heads=8, head_dim=256, num_hidden_layers=0)
+    config = tiny(
+        hidden_size=2048, num_attention_heads=8, head_dim=256, num_hidden_layers=0
+    )
     ours = GemmaForCausalLM(config).to(torch.bfloat16)
     theirs = hf_gemma.GemmaModel(GemmaConfig(**config.to_hf())).to(torch.bfloat16)
     theirs.embed_tokens.load_state_dict(ours.model.embed_tokens.state_dict())
@@ -213,7 +288,9 @@ def test_inputs_embeds_are_used_as_given():
     _, ours = reference_and_ours(tiny())
     ids = torch.tensor([[2, 5, 9, 400]])
     with torch.no_grad():
-        torch.testing.assert_close(ours(inputs_embeds=ours.model.embed(ids)).logits, ours(ids).logits)
+        torch.testing.assert_close(
+            ours(inputs_embeds=ours.model.embed(ids)).logits, ours(ids).logits
+        )
         unscaled = ours(inputs_embeds=ours.model.embed_tokens(ids)).logits
     assert not torch.allclose(unscaled, ours(ids).logits)
 
@@ -244,8 +321,14 @@ def test_clear_errors_for_mismatched_batch_positions_and_dtypes():
         model(ids[:1], attention_mask=torch.ones(2, 3))
     with pytest.raises(ValueError, match="1 rows but the input is a batch of 2"):
         model(ids, attention_mask=torch.ones(1, 3))
-    for bad in [torch.arange(4)[None], torch.arange(3), torch.zeros(3, 3, dtype=torch.long)]:
-        with pytest.raises(ValueError, match=r"position_ids has shape .*expected \[2, 3\] or \[1, 3\]"):
+    for bad in [
+        torch.arange(4)[None],
+        torch.arange(3),
+        torch.zeros(3, 3, dtype=torch.long),
+    ]:
+        with pytest.raises(
+            ValueError, match=r"position_ids has shape .*expected \[2, 3\] or \[1, 3\]"
+        ):
             model(ids, position_ids=bad)
     with pytest.raises(ValueError, match="must be integers.*inputs_embeds"):
         model(ids.float())
@@ -288,23 +371,38 @@ def test_mlp_equals_transformers():
     torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("head_dim, theta", [(16, 10000.0), (256, 10000.0), (32, 500.0)])
+@pytest.mark.parametrize(
+    "head_dim, theta", [(16, 10000.0), (256, 10000.0), (32, 500.0)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_equals_transformers(head_dim, theta, dtype):
-    reference = hf_gemma.GemmaRotaryEmbedding(GemmaConfig(head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": theta}))
+    reference = hf_gemma.GemmaRotaryEmbedding(
+        GemmaConfig(
+            head_dim=head_dim,
+            rope_parameters={"rope_type": "default", "rope_theta": theta},
+        )
+    )
     assert torch.equal(reference.inv_freq, rope_inv_freq(head_dim, theta))
     position_ids = torch.tensor([[0, 1, 2, 3], [100, 257, 4095, 8191]])
     ours = GemmaRotaryEmbedding(head_dim, theta)(position_ids, dtype)
     theirs = reference(torch.zeros(1, dtype=dtype), position_ids)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
-    q, k = torch.randn(2, 4, 4, head_dim).to(dtype), torch.randn(2, 1, 4, head_dim).to(dtype)
-    for a, b in zip(apply_rotary_pos_emb(q, k, *ours), hf_gemma.apply_rotary_pos_emb(q, k, *theirs)):
+    q, k = (
+        torch.randn(2, 4, 4, head_dim).to(dtype),
+        torch.randn(2, 1, 4, head_dim).to(dtype),
+    )
+    for a, b in zip(
+        apply_rotary_pos_emb(q, k, *ours), hf_gemma.apply_rotary_pos_emb(q, k, *theirs)
+    ):
         assert torch.equal(a, b)
 
 
 def test_rope_scores_depend_only_on_distance_and_norms_are_kept():
     rope = GemmaRotaryEmbedding(64)
-    q, k = torch.randn(1, 1, 1, 64, dtype=torch.float64), torch.randn(1, 1, 1, 64, dtype=torch.float64)
+    q, k = (
+        torch.randn(1, 1, 1, 64, dtype=torch.float64),
+        torch.randn(1, 1, 1, 64, dtype=torch.float64),
+    )
 
     def score(m, n):
         cos_m, sin_m = (t.double() for t in rope(torch.tensor([[m]])))
@@ -325,10 +423,15 @@ def test_rotate_half_is_the_interleaved_rotation_after_a_permutation():
     x = torch.randn(D, dtype=torch.float64)
     interleaved = x.clone()  # pairs (2i, 2i + 1) rotated by m * inv_freq[i]
     c, s = torch.cos(m * inv_freq), torch.sin(m * inv_freq)
-    interleaved[0::2], interleaved[1::2] = x[0::2] * c - x[1::2] * s, x[1::2] * c + x[0::2] * s
+    interleaved[0::2], interleaved[1::2] = (
+        x[0::2] * c - x[1::2] * s,
+        x[1::2] * c + x[0::2] * s,
+    )
     perm = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])
     cos, sin = torch.cat([c, c]), torch.cat([s, s])
-    torch.testing.assert_close(x[perm] * cos + rotate_half(x[perm]) * sin, interleaved[perm])
+    torch.testing.assert_close(
+        x[perm] * cos + rotate_half(x[perm]) * sin, interleaved[perm]
+    )
 
 
 def test_rope_needs_no_state_and_survives_meta_construction():
@@ -336,45 +439,64 @@ def test_rope_needs_no_state_and_survives_meta_construction():
         rope = GemmaRotaryEmbedding(32)
     assert len(rope.state_dict()) == 0
     positions = torch.arange(5)[None]
-    assert all(torch.equal(a, b) for a, b in zip(rope(positions), GemmaRotaryEmbedding(32)(positions)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(rope(positions), GemmaRotaryEmbedding(32)(positions))
+    )
     with pytest.raises(ValueError, match="even"):
         GemmaRotaryEmbedding(15)
 
 
 def test_repeat_kv_equals_repeat_interleave_and_broadcasting():
     k = torch.randn(2, 2, 5, 8)
-    torch.testing.assert_close(repeat_kv(k, 3), k.repeat_interleave(3, dim=1), rtol=0, atol=0)
+    torch.testing.assert_close(
+        repeat_kv(k, 3), k.repeat_interleave(3, dim=1), rtol=0, atol=0
+    )
     assert repeat_kv(k, 1) is k
     q, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 5, 8)
     torch.testing.assert_close(
-        torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3)),
+        torch.nn.functional.scaled_dot_product_attention(
+            q, repeat_kv(k, 3), repeat_kv(v, 3)
+        ),
         torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
     )
 
 
-@pytest.mark.parametrize("variant", ["1 KV head", "2 KV heads of 4", "head_dim 32 != 64/4"])
+@pytest.mark.parametrize(
+    "variant", ["1 KV head", "2 KV heads of 4", "head_dim 32 != 64/4"]
+)
 def test_attention_equals_transformers(variant):
     config = tiny(**VARIANTS[variant])
     torch.manual_seed(0)
     ours = GemmaAttention(config, layer_idx=0).eval()
-    theirs = hf_gemma.GemmaAttention(GemmaConfig(**config.to_hf(), attn_implementation="eager"), layer_idx=0).eval()
+    theirs = hf_gemma.GemmaAttention(
+        GemmaConfig(**config.to_hf(), attn_implementation="eager"), layer_idx=0
+    ).eval()
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn(2, 5, config.hidden_size)
     cos_sin = GemmaRotaryEmbedding(config.head_dim)(torch.arange(5)[None])
-    mask = make_causal_mask(torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), 5, torch.float32)
-    torch.testing.assert_close(ours(x, cos_sin, mask), theirs(x, cos_sin, mask)[0], atol=1e-5, rtol=1e-5)
+    mask = make_causal_mask(
+        torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), 5, torch.float32
+    )
+    torch.testing.assert_close(
+        ours(x, cos_sin, mask), theirs(x, cos_sin, mask)[0], atol=1e-5, rtol=1e-5
+    )
 
 
 def test_masks():
     mask = make_causal_mask(torch.tensor([[1, 1, 1, 0]]), 4, torch.bfloat16)
     allowed = mask[0, 0] == 0
-    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]).bool()
+    expected = torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]
+    ).bool()
     assert mask.shape == (1, 1, 4, 4) and torch.equal(allowed, expected)
     assert mask.min() == torch.finfo(torch.bfloat16).min and not mask.isinf().any()
     after_cache = make_causal_mask(None, 1, torch.float32, past_length=3)
     assert after_cache.shape == (1, 1, 1, 4) and (after_cache == 0).all()
-    assert torch.equal(additive_mask(torch.tensor([True, False]), torch.float16),
-                       torch.tensor([0, torch.finfo(torch.float16).min], dtype=torch.float16))
+    assert torch.equal(
+        additive_mask(torch.tensor([True, False]), torch.float16),
+        torch.tensor([0, torch.finfo(torch.float16).min], dtype=torch.float16),
+    )
     with pytest.raises(ValueError, match=r"\[batch, 5\]"):
         make_causal_mask(torch.ones(1, 4), 2, torch.float32, past_length=3)
 
@@ -383,9 +505,17 @@ def test_masks():
 
 
 def test_text_config_defaults_are_paligemma_3b():
-    hub_text_config = {"hidden_size": 2048, "intermediate_size": 16384, "model_type": "gemma", "num_attention_heads": 8,
-                       "num_hidden_layers": 18, "num_image_tokens": 256, "num_key_value_heads": 1,
-                       "torch_dtype": "float32", "vocab_size": 257216}
+    hub_text_config = {
+        "hidden_size": 2048,
+        "intermediate_size": 16384,
+        "model_type": "gemma",
+        "num_attention_heads": 8,
+        "num_hidden_layers": 18,
+        "num_image_tokens": 256,
+        "num_key_value_heads": 1,
+        "torch_dtype": "float32",
+        "vocab_size": 257216,
+    }
     assert TextConfig.from_hf(GemmaConfig(**hub_text_config).to_dict()) == TextConfig()
     hf_defaults = TextConfig.from_hf(PaliGemmaConfig().text_config.to_dict())
     assert asdict(hf_defaults) == {**asdict(TextConfig()), "vocab_size": 257152}
@@ -400,39 +530,76 @@ def test_text_config_round_trips_through_transformers():
             assert getattr(theirs, name) == value, name
     assert TextConfig.from_hf(config.to_hf()) == config
     assert TextConfig.from_hf(theirs.to_dict()) == config
-    old_spelling = {k: v for k, v in asdict(config).items()}  # top-level rope_theta, no rope_parameters
-    assert TextConfig.from_hf({**old_spelling, "hidden_act": "gelu", "hidden_activation": None}) == config
-    assert TextConfig.from_hf({**old_spelling, "hidden_activation": "gelu_pytorch_tanh"}) == config
+    old_spelling = {
+        k: v for k, v in asdict(config).items()
+    }  # top-level rope_theta, no rope_parameters
+    assert (
+        TextConfig.from_hf(
+            {**old_spelling, "hidden_act": "gelu", "hidden_activation": None}
+        )
+        == config
+    )
+    assert (
+        TextConfig.from_hf({**old_spelling, "hidden_activation": "gelu_pytorch_tanh"})
+        == config
+    )
     # hidden_activation wins over hidden_act: with them disagreeing, only the override can pass
-    assert TextConfig.from_hf({**old_spelling, "hidden_act": "relu", "hidden_activation": "gelu_pytorch_tanh"}) == config
+    assert (
+        TextConfig.from_hf(
+            {
+                **old_spelling,
+                "hidden_act": "relu",
+                "hidden_activation": "gelu_pytorch_tanh",
+            }
+        )
+        == config
+    )
     with pytest.raises(ValueError, match="relu"):
-        TextConfig.from_hf({**old_spelling, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "relu"})
+        TextConfig.from_hf(
+            {
+                **old_spelling,
+                "hidden_act": "gelu_pytorch_tanh",
+                "hidden_activation": "relu",
+            }
+        )
 
 
-@pytest.mark.parametrize("bad, words", [
-    (dict(num_attention_heads=8, num_key_value_heads=3), "[1, 2, 4, 8]"),
-    (dict(head_dim=15), "even"),
-    (dict(hidden_act="relu"), "gelu_pytorch_tanh"),
-    (dict(num_key_value_heads=0), "num_key_value_heads=0"),
-    (dict(num_attention_heads=-8), "num_attention_heads=-8"),
-    (dict(hidden_size=0), "hidden_size=0"),
-    (dict(head_dim=0), "head_dim=0"),
-    (dict(vocab_size=0), "vocab_size=0"),
-    (dict(intermediate_size=-1), "intermediate_size=-1"),
-    (dict(num_hidden_layers=-1), "num_hidden_layers=-1"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (dict(num_attention_heads=8, num_key_value_heads=3), "[1, 2, 4, 8]"),
+        (dict(head_dim=15), "even"),
+        (dict(hidden_act="relu"), "gelu_pytorch_tanh"),
+        (dict(num_key_value_heads=0), "num_key_value_heads=0"),
+        (dict(num_attention_heads=-8), "num_attention_heads=-8"),
+        (dict(hidden_size=0), "hidden_size=0"),
+        (dict(head_dim=0), "head_dim=0"),
+        (dict(vocab_size=0), "vocab_size=0"),
+        (dict(intermediate_size=-1), "intermediate_size=-1"),
+        (dict(num_hidden_layers=-1), "num_hidden_layers=-1"),
+    ],
+)
 def test_text_config_refuses_bad_settings(bad, words):
     with pytest.raises(ValueError) as error:
         TextConfig(**bad)
     assert words in str(error.value)
 
 
-@pytest.mark.parametrize("setting", [
-    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-    {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
-    {"attention_bias": True},
-    {"tie_word_embeddings": False},
-])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        {
+            "rope_parameters": {
+                "rope_type": "linear",
+                "rope_theta": 10000.0,
+                "factor": 2.0,
+            }
+        },
+        {"attention_bias": True},
+        {"tie_word_embeddings": False},
+    ],
+)
 def test_text_config_refuses_unsupported_variants(setting):
     with pytest.raises(ValueError):
         TextConfig.from_hf(setting)
@@ -442,10 +609,22 @@ def test_text_config_accepts_zero_layers():
     assert TextConfig(num_hidden_layers=0).num_hidden_layers == 0
 
 
-@pytest.mark.parametrize("text_config", [Gemma2Config().to_dict(), {"model_type": "gemma3_text"}])
+@pytest.mark.parametrize(
+    "text_config", [Gemma2Config().to_dict(), {"model_type": "gemma3_text"}]
+)
 def test_text_config_refuses_other_model_types_naming_gemma_2(text_config):
     with pytest.raises(ValueError) as error:
         TextConfig.from_hf(text_config)
-    for words in ["Gemma 2", "PaliGemma 2", "soft-capping", "query_pre_attn_scalar", "sliding-window"]:
+    for words in [
+        "Gemma 2",
+        "PaliGemma 2",
+        "soft-capping",
+        "query_pre_attn_scalar",
+        "sliding-window",
+    ]:
         assert words in str(error.value)
-    assert TextConfig.from_hf({"model_type": "gemma"}) == TextConfig.from_hf({}) == TextConfig()
+    assert (
+        TextConfig.from_hf({"model_type": "gemma"})
+        == TextConfig.from_hf({})
+        == TextConfig()
+    )

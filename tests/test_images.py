@@ -1,4 +1,5 @@
 """Chapter 1: images to pixel values, patch embedding, position embedding."""
+
 import numpy as np
 import pytest
 import torch
@@ -20,39 +21,62 @@ def scene(width=90, height=60, mode="RGB"):
 
 def test_config_defaults_are_paligemma_3b_224():
     c = VisionConfig()
-    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads) == (1152, 4304, 27, 16)
+    assert (
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+    ) == (1152, 4304, 27, 16)
     assert (c.image_size, c.patch_size, c.num_image_tokens) == (224, 14, 256)
 
 
 def test_config_from_hf_ignores_unknown_keys_and_fills_defaults():
-    c = VisionConfig.from_hf({"hidden_size": 64, "num_attention_heads": 4, "model_type": "siglip_vision_model",
-                              "projector_hidden_act": "gelu_fast", "num_image_tokens": 256})
+    c = VisionConfig.from_hf(
+        {
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "model_type": "siglip_vision_model",
+            "projector_hidden_act": "gelu_fast",
+            "num_image_tokens": 256,
+        }
+    )
     assert c.hidden_size == 64 and c.image_size == 224
     assert VisionConfig.from_hf(c.to_hf()) == c
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(image_size=225), "not a multiple of patch_size"),
-    (dict(hidden_size=100, num_attention_heads=16), "not divisible"),
-    (dict(hidden_act="relu"), "gelu_pytorch_tanh"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(image_size=225), "not a multiple of patch_size"),
+        (dict(hidden_size=100, num_attention_heads=16), "not divisible"),
+        (dict(hidden_act="relu"), "gelu_pytorch_tanh"),
+    ],
+)
 def test_config_rejects_inconsistent_sizes(kwargs, words):
     with pytest.raises(ValueError, match=words):
         VisionConfig(**kwargs)
 
 
-@pytest.mark.parametrize("image, rgb", [
-    (Image.new("L", (3, 3), 128), (128, 128, 128)),
-    (Image.new("LA", (3, 3), (0, 0)), (255, 255, 255)),
-    (Image.new("RGBA", (3, 3), (0, 0, 0, 0)), (255, 255, 255)),
-    (Image.new("RGBA", (3, 3), (10, 20, 30, 255)), (10, 20, 30)),
-    (Image.new("RGB", (3, 3), (10, 200, 30)).convert("P", palette=Image.Palette.ADAPTIVE), (10, 200, 30)),
-    (Image.fromarray(np.full((3, 3), 65535, np.uint16)), (255, 255, 255)),
-    (Image.fromarray(np.full((3, 3), 32896, np.uint16)), (128, 128, 128)),
-    (Image.new("I", (3, 3), 257 * 100), (100, 100, 100)),
-    (Image.new("1", (3, 3), 0), (0, 0, 0)),
-    (Image.new("CMYK", (3, 3), (0, 0, 0, 0)), (255, 255, 255)),
-])
+@pytest.mark.parametrize(
+    "image, rgb",
+    [
+        (Image.new("L", (3, 3), 128), (128, 128, 128)),
+        (Image.new("LA", (3, 3), (0, 0)), (255, 255, 255)),
+        (Image.new("RGBA", (3, 3), (0, 0, 0, 0)), (255, 255, 255)),
+        (Image.new("RGBA", (3, 3), (10, 20, 30, 255)), (10, 20, 30)),
+        (
+            Image.new("RGB", (3, 3), (10, 200, 30)).convert(
+                "P", palette=Image.Palette.ADAPTIVE
+            ),
+            (10, 200, 30),
+        ),
+        (Image.fromarray(np.full((3, 3), 65535, np.uint16)), (255, 255, 255)),
+        (Image.fromarray(np.full((3, 3), 32896, np.uint16)), (128, 128, 128)),
+        (Image.new("I", (3, 3), 257 * 100), (100, 100, 100)),
+        (Image.new("1", (3, 3), 0), (0, 0, 0)),
+        (Image.new("CMYK", (3, 3), (0, 0, 0, 0)), (255, 255, 255)),
+    ],
+)
 def test_to_rgb_converts_every_mode(image, rgb):
     out = to_rgb(image)
     assert out.mode == "RGB" and out.getpixel((1, 1)) == rgb
@@ -95,7 +119,9 @@ def test_process_images_shape_range_and_formula():
     image = scene()
     pixels = process_images(image, image_size=28)
     assert pixels.shape == (1, 3, 28, 28) and pixels.dtype == torch.float32
-    resized = np.asarray(image.resize((28, 28), Image.Resampling.BICUBIC)).astype(np.float32)
+    resized = np.asarray(image.resize((28, 28), Image.Resampling.BICUBIC)).astype(
+        np.float32
+    )
     expected = torch.from_numpy(resized).permute(2, 0, 1) * 2 / 255 - 1
     torch.testing.assert_close(pixels[0], expected)
     assert pixels.min() >= -1 and pixels.max() <= 1
@@ -107,8 +133,12 @@ def test_process_images_equals_transformers(mode):
 
     images = [scene(mode=mode), scene(45, 80, mode=mode)]
     reference = SiglipImageProcessorPil(size={"height": 56, "width": 56})
-    theirs = torch.from_numpy(reference(images=images, return_tensors="np")["pixel_values"])
-    torch.testing.assert_close(process_images(images, image_size=56), theirs, atol=1e-6, rtol=0)
+    theirs = torch.from_numpy(
+        reference(images=images, return_tensors="np")["pixel_values"]
+    )
+    torch.testing.assert_close(
+        process_images(images, image_size=56), theirs, atol=1e-6, rtol=0
+    )
 
 
 def test_conv_patch_embedding_equals_unfold_and_linear():
@@ -119,18 +149,37 @@ def test_conv_patch_embedding_equals_unfold_and_linear():
     with torch.no_grad():
         conv.weight.copy_(linear.weight.view(24, 3, 14, 14))
         conv.bias.copy_(linear.bias)
-    unfolded = nn.functional.unfold(x, kernel_size=14, stride=14).transpose(1, 2)  # [B, 9, 588]
-    torch.testing.assert_close(conv(x).flatten(2).transpose(1, 2), linear(unfolded), atol=1e-5, rtol=1e-5)
+    unfolded = nn.functional.unfold(x, kernel_size=14, stride=14).transpose(
+        1, 2
+    )  # [B, 9, 588]
+    torch.testing.assert_close(
+        conv(x).flatten(2).transpose(1, 2), linear(unfolded), atol=1e-5, rtol=1e-5
+    )
 
 
-@pytest.mark.parametrize("config", [
-    VisionConfig(hidden_size=32, num_attention_heads=4, image_size=28, patch_size=14),
-    VisionConfig(hidden_size=40, num_attention_heads=4, image_size=42, patch_size=14),
-    VisionConfig(hidden_size=24, num_attention_heads=2, image_size=30, patch_size=6, num_channels=3),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        VisionConfig(
+            hidden_size=32, num_attention_heads=4, image_size=28, patch_size=14
+        ),
+        VisionConfig(
+            hidden_size=40, num_attention_heads=4, image_size=42, patch_size=14
+        ),
+        VisionConfig(
+            hidden_size=24,
+            num_attention_heads=2,
+            image_size=30,
+            patch_size=6,
+            num_channels=3,
+        ),
+    ],
+)
 def test_embeddings_equal_transformers(config):
     from transformers import SiglipVisionConfig
-    from transformers.models.siglip.modeling_siglip import SiglipVisionEmbeddings as Reference
+    from transformers.models.siglip.modeling_siglip import (
+        SiglipVisionEmbeddings as Reference,
+    )
 
     torch.manual_seed(0)
     ours = SiglipVisionEmbeddings(config).eval()
@@ -144,35 +193,52 @@ def test_embeddings_equal_transformers(config):
 
 
 def test_embeddings_add_the_position_of_each_patch():
-    config = VisionConfig(hidden_size=8, num_attention_heads=2, image_size=28, patch_size=14)
+    config = VisionConfig(
+        hidden_size=8, num_attention_heads=2, image_size=28, patch_size=14
+    )
     layer = SiglipVisionEmbeddings(config)
     x = torch.randn(1, 3, 28, 28)
     without = layer.patch_embedding(x).flatten(2).transpose(1, 2)
-    torch.testing.assert_close(layer(x) - without, layer.position_embedding.weight.expand(1, -1, -1))
+    torch.testing.assert_close(
+        layer(x) - without, layer.position_embedding.weight.expand(1, -1, -1)
+    )
 
 
-@pytest.mark.parametrize("shape", [(1, 3, 56, 56), (1, 1, 28, 28), (3, 28, 28), (1, 3, 28, 30)])
+@pytest.mark.parametrize(
+    "shape", [(1, 3, 56, 56), (1, 1, 28, 28), (3, 28, 28), (1, 3, 28, 30)]
+)
 def test_embeddings_reject_wrong_shapes_naming_both(shape):
-    config = VisionConfig(hidden_size=8, num_attention_heads=2, image_size=28, patch_size=14)
+    config = VisionConfig(
+        hidden_size=8, num_attention_heads=2, image_size=28, patch_size=14
+    )
     with pytest.raises(ValueError) as e:
         SiglipVisionEmbeddings(config)(torch.zeros(shape))
     assert str(list(shape)) in str(e.value) and "[batch, 3, 28, 28]" in str(e.value)
 
 
 def test_embeddings_in_bfloat16():
-    config = VisionConfig(hidden_size=8, num_attention_heads=2, image_size=28, patch_size=14)
+    config = VisionConfig(
+        hidden_size=8, num_attention_heads=2, image_size=28, patch_size=14
+    )
     layer = SiglipVisionEmbeddings(config).to(torch.bfloat16)
-    out = layer(torch.randn(1, 3, 28, 28))  # float32 pixels are cast to the layer's dtype
+    out = layer(
+        torch.randn(1, 3, 28, 28)
+    )  # float32 pixels are cast to the layer's dtype
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
 
 
 def test_full_size_parameter_count_on_meta():
     with torch.device("meta"):
         layer = SiglipVisionEmbeddings(VisionConfig())
-    assert sum(p.numel() for p in layer.parameters()) == 1152 * 3 * 14 * 14 + 1152 + 256 * 1152
+    assert (
+        sum(p.numel() for p in layer.parameters())
+        == 1152 * 3 * 14 * 14 + 1152 + 256 * 1152
+    )
 
 
 def test_embeddings_reject_raw_integer_pixels():
-    config = VisionConfig(hidden_size=8, num_attention_heads=2, image_size=28, patch_size=14)
+    config = VisionConfig(
+        hidden_size=8, num_attention_heads=2, image_size=28, patch_size=14
+    )
     with pytest.raises(ValueError, match="torch.uint8.*process_images"):
         SiglipVisionEmbeddings(config)(torch.zeros(1, 3, 28, 28, dtype=torch.uint8))

@@ -1,4 +1,5 @@
 """Chapter 7: PaliGemma config, merging, prefix-LM mask, loss, and parity with transformers."""
+
 import pytest
 import torch
 import transformers
@@ -7,18 +8,37 @@ from hf_reference import transformers_name, transformers_pair
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
 from paligemma_lib.gemma import additive_mask
 from paligemma_lib.paligemma import (
-    PaliGemmaForConditionalGeneration, make_prefix_lm_mask, next_token_loss, position_ids_from_mask)
+    PaliGemmaForConditionalGeneration,
+    make_prefix_lm_mask,
+    next_token_loss,
+    position_ids_from_mask,
+)
 
 IMAGE = 299
 
 
 def tiny_config(kv_heads=1, head_dim=16, image_size=28, vision_width=32):
     return PaliGemmaConfig(
-        vision=VisionConfig(hidden_size=vision_width, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            image_size=image_size, patch_size=14),
-        text=TextConfig(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim),
-        image_token_index=IMAGE, projection_dim=48)
+        vision=VisionConfig(
+            hidden_size=vision_width,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=image_size,
+            patch_size=14,
+        ),
+        text=TextConfig(
+            vocab_size=300,
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+        ),
+        image_token_index=IMAGE,
+        projection_dim=48,
+    )
 
 
 def pair(config):
@@ -31,8 +51,15 @@ def batch(n_img, rows, side="right", vocab=280, seed=0):
     g = torch.Generator().manual_seed(seed)
     seqs = []
     for prefix_len, suffix_len in rows:
-        prefix = [IMAGE] * n_img + [2] + torch.randint(4, vocab, (prefix_len,), generator=g).tolist() + [108]
-        suffix = torch.randint(4, vocab, (suffix_len,), generator=g).tolist() + ([1] if suffix_len else [])
+        prefix = (
+            [IMAGE] * n_img
+            + [2]
+            + torch.randint(4, vocab, (prefix_len,), generator=g).tolist()
+            + [108]
+        )
+        suffix = torch.randint(4, vocab, (suffix_len,), generator=g).tolist() + (
+            [1] if suffix_len else []
+        )
         seqs.append((prefix, suffix))
     S = max(len(p) + len(s) for p, s in seqs)
     ids, mask, types = [], [], []
@@ -42,25 +69,53 @@ def batch(n_img, rows, side="right", vocab=280, seed=0):
         t = [0] * len(prefix) + [1] * len(suffix)
         m = [1] * len(real)
         if side == "right":
-            ids.append(real + pad); mask.append(m + pad); types.append(t + pad)
+            ids.append(real + pad)
+            mask.append(m + pad)
+            types.append(t + pad)
         else:
-            ids.append(pad + real); mask.append(pad + m); types.append(pad + t)
+            ids.append(pad + real)
+            mask.append(pad + m)
+            types.append(pad + t)
     ids, mask, types = torch.tensor(ids), torch.tensor(mask), torch.tensor(types)
     labels = ids.masked_fill((types == 0) | (mask == 0), -100)
     return ids, mask, types, labels
 
 
 def test_config_from_hub_file_is_the_default():
-    hub = {"image_token_index": 257152, "projection_dim": 2048, "hidden_size": 2048, "model_type": "paligemma",
-           "text_config": {"hidden_size": 2048, "intermediate_size": 16384, "num_attention_heads": 8,
-                           "num_hidden_layers": 18, "num_key_value_heads": 1, "vocab_size": 257216, "model_type": "gemma"},
-           "vision_config": {"hidden_size": 1152, "intermediate_size": 4304, "num_attention_heads": 16,
-                             "num_hidden_layers": 27, "patch_size": 14, "projection_dim": 2048, "vision_use_head": False}}
+    hub = {
+        "image_token_index": 257152,
+        "projection_dim": 2048,
+        "hidden_size": 2048,
+        "model_type": "paligemma",
+        "text_config": {
+            "hidden_size": 2048,
+            "intermediate_size": 16384,
+            "num_attention_heads": 8,
+            "num_hidden_layers": 18,
+            "num_key_value_heads": 1,
+            "vocab_size": 257216,
+            "model_type": "gemma",
+        },
+        "vision_config": {
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 27,
+            "patch_size": 14,
+            "projection_dim": 2048,
+            "vision_use_head": False,
+        },
+    }
     assert PaliGemmaConfig.from_hf(hub) == PaliGemmaConfig()
     assert PaliGemmaConfig.from_hf({}) == PaliGemmaConfig(text=TextConfig())
     c = tiny_config()
     assert PaliGemmaConfig.from_hf(c.to_hf()) == c
-    assert PaliGemmaConfig.from_hf({**c.to_hf(), "image_token_id": 7, "image_token_index": 7}).image_token_index == 7
+    assert (
+        PaliGemmaConfig.from_hf(
+            {**c.to_hf(), "image_token_id": 7, "image_token_index": 7}
+        ).image_token_index
+        == 7
+    )
 
 
 def test_config_errors():
@@ -72,34 +127,51 @@ def test_config_errors():
 
 @pytest.mark.parametrize("where", ["top", "vision_config", "text_config"])
 def test_config_num_image_tokens_must_follow_from_the_vision_sizes(where):
-    hf = tiny_config().to_hf()  # image_size 28, patch_size 14: 4 image tokens, stated in both sub-configs
+    hf = (
+        tiny_config().to_hf()
+    )  # image_size 28, patch_size 14: 4 image tokens, stated in both sub-configs
     assert PaliGemmaConfig.from_hf({**hf, "num_image_tokens": 4}).num_image_tokens == 4
     if where == "top":
         hf["num_image_tokens"] = 9
     else:
         hf[where] = {**hf[where], "num_image_tokens": 9}
-    with pytest.raises(ValueError, match=r"num_image_tokens 9 .*contradicts the vision settings.* 4 image tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_image_tokens 9 .*contradicts the vision settings.* 4 image tokens",
+    ):
         PaliGemmaConfig.from_hf(hf)
 
 
 def test_config_refuses_gemma2():
     hf = tiny_config().to_hf()
     with pytest.raises(ValueError, match="gemma2"):
-        PaliGemmaConfig.from_hf({**hf, "text_config": {**hf["text_config"], "model_type": "gemma2"}})
+        PaliGemmaConfig.from_hf(
+            {**hf, "text_config": {**hf["text_config"], "model_type": "gemma2"}}
+        )
 
 
 def test_full_model_names_and_parameter_count_match_transformers_on_meta():
     config = PaliGemmaConfig()
     with torch.device("meta"):
         ours = PaliGemmaForConditionalGeneration(config)
-        theirs = transformers.PaliGemmaForConditionalGeneration(transformers.PaliGemmaConfig(**config.to_hf()))
+        theirs = transformers.PaliGemmaForConditionalGeneration(
+            transformers.PaliGemmaConfig(**config.to_hf())
+        )
     n_ours = sum(p.numel() for p in ours.parameters())
     n_theirs = sum(p.numel() for p in theirs.parameters())
     assert n_ours == n_theirs
     assert 2_900_000_000 < n_ours < 3_000_000_000
-    their_shapes = {name: tuple(p.shape) for name, p in theirs.named_parameters(remove_duplicate=False)}
-    our_shapes = {transformers_name(name): tuple(p.shape) for name, p in ours.named_parameters(remove_duplicate=False)}
-    assert our_shapes == their_shapes  # every name, through the shared map, and every shape
+    their_shapes = {
+        name: tuple(p.shape)
+        for name, p in theirs.named_parameters(remove_duplicate=False)
+    }
+    our_shapes = {
+        transformers_name(name): tuple(p.shape)
+        for name, p in ours.named_parameters(remove_duplicate=False)
+    }
+    assert (
+        our_shapes == their_shapes
+    )  # every name, through the shared map, and every shape
 
 
 def definition(mask, types):
@@ -108,7 +180,11 @@ def definition(mask, types):
     for b in range(B):
         for i in range(S):
             for j in range(S):
-                out[b, i, j] = bool(mask[b, i] and mask[b, j] and (j <= i or (types[b, i] == 0 and types[b, j] == 0)))
+                out[b, i, j] = bool(
+                    mask[b, i]
+                    and mask[b, j]
+                    and (j <= i or (types[b, i] == 0 and types[b, j] == 0))
+                )
     return out
 
 
@@ -118,7 +194,9 @@ def test_prefix_lm_mask_equals_definition(side):
     full = make_prefix_lm_mask(mask, types)
     assert torch.equal(full, definition(mask, types))
     for q in (1, 2, 5):
-        assert torch.equal(make_prefix_lm_mask(mask, types, num_queries=q), full[:, -q:])
+        assert torch.equal(
+            make_prefix_lm_mask(mask, types, num_queries=q), full[:, -q:]
+        )
 
 
 def test_additive_mask_never_nan():
@@ -126,7 +204,9 @@ def test_additive_mask_never_nan():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         add = additive_mask(make_prefix_lm_mask(mask, types)[:, None], dtype)
         assert add.shape[1] == 1 and add.dtype == dtype and torch.isfinite(add).all()
-        assert torch.isfinite(torch.softmax((torch.randn(add.shape).to(dtype) + add).float(), -1)).all()
+        assert torch.isfinite(
+            torch.softmax((torch.randn(add.shape).to(dtype) + add).float(), -1)
+        ).all()
 
 
 def test_position_ids_skip_padding_and_start_at_one():
@@ -138,12 +218,26 @@ def test_loss_is_mean_over_suffix_predictions():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 11)
     labels = torch.tensor([[-100, -100, 3, 4, 5], [-100, 7, 8, -100, -100]])
-    terms = [-torch.log_softmax(logits[b, t], -1)[labels[b, t + 1]] for b in range(2) for t in range(4) if labels[b, t + 1] != -100]
-    torch.testing.assert_close(next_token_loss(logits, labels), torch.stack(terms).mean())
+    terms = [
+        -torch.log_softmax(logits[b, t], -1)[labels[b, t + 1]]
+        for b in range(2)
+        for t in range(4)
+        if labels[b, t + 1] != -100
+    ]
+    torch.testing.assert_close(
+        next_token_loss(logits, labels), torch.stack(terms).mean()
+    )
 
 
-@pytest.mark.parametrize("config", [tiny_config(), tiny_config(kv_heads=2), tiny_config(head_dim=24, image_size=42, vision_width=40)],
-                         ids=["mqa", "gqa", "head_dim_and_9_patches"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        tiny_config(),
+        tiny_config(kv_heads=2),
+        tiny_config(head_dim=24, image_size=42, vision_width=40),
+    ],
+    ids=["mqa", "gqa", "head_dim_and_9_patches"],
+)
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_logits_and_loss_equal_transformers(config, side):
     ours, theirs = pair(config)
@@ -152,7 +246,13 @@ def test_logits_and_loss_equal_transformers(config, side):
     pixels = torch.randn(3, 3, config.vision.image_size, config.vision.image_size)
     with torch.no_grad():
         a = ours(ids, pixels, attention_mask=mask, token_type_ids=types, labels=labels)
-        b = theirs(input_ids=ids, pixel_values=pixels, attention_mask=mask, token_type_ids=types, labels=labels)
+        b = theirs(
+            input_ids=ids,
+            pixel_values=pixels,
+            attention_mask=mask,
+            token_type_ids=types,
+            labels=labels,
+        )
     assert (a.logits - b.logits)[mask.bool()].abs().max() <= 1e-4
     torch.testing.assert_close(a.loss, b.loss, atol=1e-5, rtol=1e-5)
 
@@ -164,8 +264,15 @@ def test_without_token_type_ids_everything_is_prefix():
     pixels = torch.randn(2, 3, 28, 28)
     with torch.no_grad():
         a = ours(ids, pixels, attention_mask=mask).logits
-        b = ours(ids, pixels, attention_mask=mask, token_type_ids=torch.zeros_like(ids)).logits
-        c = theirs(input_ids=ids, pixel_values=pixels, attention_mask=mask, token_type_ids=torch.zeros_like(ids)).logits
+        b = ours(
+            ids, pixels, attention_mask=mask, token_type_ids=torch.zeros_like(ids)
+        ).logits
+        c = theirs(
+            input_ids=ids,
+            pixel_values=pixels,
+            attention_mask=mask,
+            token_type_ids=torch.zeros_like(ids),
+        ).logits
     torch.testing.assert_close(a, b)
     assert (a - c)[mask.bool()].abs().max() <= 1e-4
 
@@ -175,15 +282,28 @@ def test_bfloat16_padded_batch_has_no_nan():
     model = PaliGemmaForConditionalGeneration(config).to(torch.bfloat16).eval()
     ids, mask, types, labels = batch(config.num_image_tokens, [(3, 4), (1, 1)])
     with torch.no_grad():
-        out = model(ids, torch.randn(2, 3, 28, 28), attention_mask=mask, token_type_ids=types, labels=labels)
-    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+        out = model(
+            ids,
+            torch.randn(2, 3, 28, 28),
+            attention_mask=mask,
+            token_type_ids=types,
+            labels=labels,
+        )
+    assert (
+        out.logits.dtype == torch.bfloat16
+        and torch.isfinite(out.logits).all()
+        and torch.isfinite(out.loss)
+    )
 
 
 def test_wrong_number_of_image_tokens_is_a_clear_error():
     config = tiny_config()
     model = PaliGemmaForConditionalGeneration(config).eval()
     ids = torch.tensor([[IMAGE] * 3 + [2, 5, 108]])
-    with pytest.raises(ValueError, match="row 0 of input_ids holds 3 <image> tokens but its image gives 4 features"):
+    with pytest.raises(
+        ValueError,
+        match="row 0 of input_ids holds 3 <image> tokens but its image gives 4 features",
+    ):
         model(ids, torch.randn(1, 3, 28, 28))
 
 
@@ -194,7 +314,10 @@ def test_image_tokens_are_counted_row_by_row():
     ids[1, 5] = IMAGE  # row 1: five
     ids[0, 0] = 2  # row 0: three
     assert (ids == IMAGE).sum() == 2 * 4
-    with pytest.raises(ValueError, match=r"^row 0 of input_ids holds 3 <image> tokens .* \(2 such rows\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^row 0 of input_ids holds 3 <image> tokens .* \(2 such rows\)",
+    ):
         model(ids, torch.randn(2, 3, 28, 28))
     with pytest.raises(ValueError, match="2 images for 1 prompts"):
         model(ids[:1], torch.randn(2, 3, 28, 28))
@@ -213,4 +336,8 @@ def test_mask_shapes_must_cover_the_sequence():
     model = PaliGemmaForConditionalGeneration(tiny_config()).eval()
     ids = torch.tensor([[IMAGE] * 4 + [2, 5, 108]])
     with pytest.raises(ValueError, match=r"must cover all tokens so far: \[1, 7\]"):
-        model(ids, torch.randn(1, 3, 28, 28), attention_mask=torch.ones(1, 5, dtype=torch.long))
+        model(
+            ids,
+            torch.randn(1, 3, 28, 28),
+            attention_mask=torch.ones(1, 5, dtype=torch.long),
+        )

@@ -1,4 +1,5 @@
 """The SigLIP vision tower (chapters 2 and 3) against transformers' SiglipVisionModel and PyTorch's kernels."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,22 +7,54 @@ from transformers import SiglipVisionConfig
 from transformers import SiglipVisionModel as ReferenceSiglipVisionModel
 
 from paligemma_lib.config import VisionConfig
-from paligemma_lib.siglip import SiglipAttention, SiglipVisionModel, SiglipVisionOutput, explicit_attention
+from paligemma_lib.siglip import (
+    SiglipAttention,
+    SiglipVisionModel,
+    SiglipVisionOutput,
+    explicit_attention,
+)
 
 CONFIGS = {
-    "48-wide-16-patches": VisionConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=3,
-                                       num_attention_heads=4, image_size=56, patch_size=14),
-    "40-wide-9-patches": VisionConfig(hidden_size=40, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, image_size=42, patch_size=14),
-    "72-wide-25-patches": VisionConfig(hidden_size=72, intermediate_size=64, num_hidden_layers=3,
-                                       num_attention_heads=6, image_size=30, patch_size=6),
-    "1-channel-3-heads": VisionConfig(hidden_size=48, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=3, num_channels=1, image_size=20, patch_size=4),
+    "48-wide-16-patches": VisionConfig(
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=56,
+        patch_size=14,
+    ),
+    "40-wide-9-patches": VisionConfig(
+        hidden_size=40,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=42,
+        patch_size=14,
+    ),
+    "72-wide-25-patches": VisionConfig(
+        hidden_size=72,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        image_size=30,
+        patch_size=6,
+    ),
+    "1-channel-3-heads": VisionConfig(
+        hidden_size=48,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_channels=1,
+        image_size=20,
+        patch_size=4,
+    ),
 }
 
 
 def reference_model(config, attn_implementation="sdpa"):
-    hf_config = SiglipVisionConfig(**config.to_hf(), vision_use_head=False, attn_implementation=attn_implementation)
+    hf_config = SiglipVisionConfig(
+        **config.to_hf(), vision_use_head=False, attn_implementation=attn_implementation
+    )
     return ReferenceSiglipVisionModel(hf_config).eval()
 
 
@@ -41,13 +74,28 @@ def pair(config, seed=0, attn_implementation="sdpa"):
 
 def pixels(config, batch=3, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return torch.rand(batch, config.num_channels, config.image_size, config.image_size, generator=g) * 2 - 1
+    return (
+        torch.rand(
+            batch,
+            config.num_channels,
+            config.image_size,
+            config.image_size,
+            generator=g,
+        )
+        * 2
+        - 1
+    )
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_state_dict_keys_and_shapes_match_the_reference(config):
-    ours = {k: tuple(v.shape) for k, v in SiglipVisionModel(config).state_dict().items()}
-    theirs = {k: tuple(v.shape) for k, v in with_prefix(reference_model(config).state_dict()).items()}
+    ours = {
+        k: tuple(v.shape) for k, v in SiglipVisionModel(config).state_dict().items()
+    }
+    theirs = {
+        k: tuple(v.shape)
+        for k, v in with_prefix(reference_model(config).state_dict()).items()
+    }
     assert ours == theirs
     assert "vision_model.embeddings.patch_embedding.weight" in ours
     assert "vision_model.encoder.layers.0.self_attn.q_proj.weight" in ours
@@ -62,7 +110,11 @@ def test_last_hidden_state_equals_transformers_fp32(config):
         out = ours(x)
         expected = theirs(x).last_hidden_state
     assert isinstance(out, SiglipVisionOutput) and out.attentions is None
-    assert out.last_hidden_state.shape == (3, config.num_image_tokens, config.hidden_size)
+    assert out.last_hidden_state.shape == (
+        3,
+        config.num_image_tokens,
+        config.hidden_size,
+    )
     assert (out.last_hidden_state - expected).abs().max().item() <= 1e-5
 
 
@@ -78,10 +130,14 @@ def test_attention_weights_equal_transformers_eager_and_fused_path(config):
     N = config.num_image_tokens
     for weights, their_weights in zip(explicit.attentions, expected.attentions):
         assert weights.shape == (2, config.num_attention_heads, N, N)
-        torch.testing.assert_close(weights.sum(-1), torch.ones(2, config.num_attention_heads, N))
+        torch.testing.assert_close(
+            weights.sum(-1), torch.ones(2, config.num_attention_heads, N)
+        )
         torch.testing.assert_close(weights, their_weights)
     torch.testing.assert_close(explicit.last_hidden_state, fused, atol=1e-5, rtol=0)
-    torch.testing.assert_close(explicit.last_hidden_state, expected.last_hidden_state, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        explicit.last_hidden_state, expected.last_hidden_state, atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -94,8 +150,14 @@ def test_bf16_runs_without_nan_and_stays_close(config):
         low = ours(x).last_hidden_state  # float32 pixels: the embedding casts them
         low_explicit = ours(x, output_attentions=True)
     assert low.dtype == torch.bfloat16
-    assert torch.isfinite(low).all() and torch.isfinite(low_explicit.last_hidden_state).all()
-    assert all(torch.isfinite(w).all() and w.dtype == torch.bfloat16 for w in low_explicit.attentions)
+    assert (
+        torch.isfinite(low).all()
+        and torch.isfinite(low_explicit.last_hidden_state).all()
+    )
+    assert all(
+        torch.isfinite(w).all() and w.dtype == torch.bfloat16
+        for w in low_explicit.attentions
+    )
     assert (low.float() - full).abs().max() < 0.05 * full.abs().max()
 
 
@@ -113,7 +175,9 @@ def test_wrong_pixel_shape_names_both_shapes(shape, words):
     with pytest.raises(ValueError) as info:
         model(torch.zeros(shape))
     assert words in str(info.value) and "[batch, 3, 56, 56]" in str(info.value)
-    assert "process_images" in str(info.value) and "image_size=56" in str(info.value)  # how to make the right one
+    assert "process_images" in str(info.value) and "image_size=56" in str(
+        info.value
+    )  # how to make the right one
 
 
 def test_full_config_shapes_and_parameter_count_on_meta():
@@ -125,7 +189,8 @@ def test_full_config_shapes_and_parameter_count_on_meta():
     count = sum(p.numel() for p in ours.parameters())
     assert count == sum(p.numel() for p in theirs.parameters()) == 412_442_352
     assert {k: v.shape for k, v in ours.state_dict().items()} == {
-        k: v.shape for k, v in with_prefix(theirs.state_dict()).items()}
+        k: v.shape for k, v in with_prefix(theirs.state_dict()).items()
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -134,30 +199,44 @@ def test_explicit_attention_equals_sdpa(dtype, masked):
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(3, 2, 3, 7, 10, generator=g).to(dtype)  # [B, H, N, d]
     mask = None
-    if masked:  # additive, finfo.min where not allowed; the last query row is fully masked
+    if (
+        masked
+    ):  # additive, finfo.min where not allowed; the last query row is fully masked
         allowed = torch.ones(7, 7, dtype=torch.bool).tril()
         allowed[-1] = False
-        mask = torch.zeros(1, 1, 7, 7, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        mask = torch.zeros(1, 1, 7, 7, dtype=dtype).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
     out, weights = explicit_attention(q, k, v, attn_mask=mask, scale=0.4)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.4)
     tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(out, expected, **tol)
-    assert weights.shape == (2, 3, 7, 7) and weights.dtype == dtype and not weights.isnan().any()
+    assert (
+        weights.shape == (2, 3, 7, 7)
+        and weights.dtype == dtype
+        and not weights.isnan().any()
+    )
 
 
 def test_explicit_attention_refuses_a_boolean_mask():
-    q, k, v = torch.randn(3, 1, 2, 4, 8, generator=torch.Generator().manual_seed(0))  # [B, H, N, d]
+    q, k, v = torch.randn(
+        3, 1, 2, 4, 8, generator=torch.Generator().manual_seed(0)
+    )  # [B, H, N, d]
     allowed = torch.ones(4, 4, dtype=torch.bool).tril()
     additive = torch.zeros(4, 4).masked_fill(~allowed, torch.finfo(torch.float32).min)
     # SDPA reads True as "may attend", which is the additive mask's meaning, not "+1"
-    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
-                               explicit_attention(q, k, v, attn_mask=additive)[0])
+    torch.testing.assert_close(
+        F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
+        explicit_attention(q, k, v, attn_mask=additive)[0],
+    )
     with pytest.raises(ValueError, match="additive"):
         explicit_attention(q, k, v, attn_mask=allowed)
 
 
 def test_attention_module_paths_agree_and_dropout_only_in_training():
-    config = VisionConfig(hidden_size=40, num_attention_heads=4, image_size=42, attention_dropout=0.5)
+    config = VisionConfig(
+        hidden_size=40, num_attention_heads=4, image_size=42, attention_dropout=0.5
+    )
     torch.manual_seed(0)
     attention = SiglipAttention(config).eval()
     x = torch.randn(2, 9, 40)
@@ -166,4 +245,6 @@ def test_attention_module_paths_agree_and_dropout_only_in_training():
     assert none is None and weights.shape == (2, 4, 9, 9)
     torch.testing.assert_close(fused, explicit)
     attention.train()
-    assert not torch.allclose(attention(x)[0], fused)  # dropout on the weights while training
+    assert not torch.allclose(
+        attention(x)[0], fused
+    )  # dropout on the weights while training

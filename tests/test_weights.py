@@ -1,4 +1,5 @@
 """Chapter 9: loading HF PaliGemma checkpoints in every key spelling, strict errors, and saving for transformers."""
+
 import json
 import re
 import shutil
@@ -13,33 +14,67 @@ from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
 from paligemma_lib.processing import parse_loc_tokens
 from paligemma_lib.weights import (
-    CheckpointError, draw_boxes, find_real_checkpoint, load_pretrained, our_name, read_safetensors_header,
-    save_pretrained)
+    CheckpointError,
+    draw_boxes,
+    find_real_checkpoint,
+    load_pretrained,
+    our_name,
+    read_safetensors_header,
+    save_pretrained,
+)
 
 IMAGE = 299
 
 
 def tiny_config(text_layers=2):
     return PaliGemmaConfig(
-        vision=VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            image_size=28, patch_size=14),
-        text=TextConfig(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=text_layers,
-                        num_attention_heads=4, num_key_value_heads=1, head_dim=16),
-        image_token_index=IMAGE, projection_dim=48)
+        vision=VisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=28,
+            patch_size=14,
+        ),
+        text=TextConfig(
+            vocab_size=300,
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=text_layers,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+        ),
+        image_token_index=IMAGE,
+        projection_dim=48,
+    )
 
 
 @pytest.fixture(scope="module")
 def theirs():
     torch.manual_seed(0)
-    model = transformers.PaliGemmaForConditionalGeneration(transformers.PaliGemmaConfig(**tiny_config().to_hf()))
+    model = transformers.PaliGemmaForConditionalGeneration(
+        transformers.PaliGemmaConfig(**tiny_config().to_hf())
+    )
     return model.eval()
 
 
 def inputs(seed=0):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.cat([torch.full((2, 4), IMAGE), torch.tensor([[2], [2]]), torch.randint(3, 280, (2, 5), generator=g)], 1)
-    return dict(input_ids=ids, pixel_values=torch.randn(2, 3, 28, 28, generator=g), attention_mask=torch.ones_like(ids),
-                token_type_ids=torch.zeros_like(ids))
+    ids = torch.cat(
+        [
+            torch.full((2, 4), IMAGE),
+            torch.tensor([[2], [2]]),
+            torch.randint(3, 280, (2, 5), generator=g),
+        ],
+        1,
+    )
+    return dict(
+        input_ids=ids,
+        pixel_values=torch.randn(2, 3, 28, 28, generator=g),
+        attention_mask=torch.ones_like(ids),
+        token_type_ids=torch.zeros_like(ids),
+    )
 
 
 def logits_of(model):
@@ -47,13 +82,16 @@ def logits_of(model):
         return model(**inputs()).logits
 
 
-HUB = {"model.vision_tower.": "vision_tower.vision_model.", "model.language_model.": "language_model.model.",
-       "model.multi_modal_projector.": "multi_modal_projector."}
+HUB = {
+    "model.vision_tower.": "vision_tower.vision_model.",
+    "model.language_model.": "language_model.model.",
+    "model.multi_modal_projector.": "multi_modal_projector.",
+}
 
 
 def hub_key(key):
     prefix = next(p for p in HUB if key.startswith(p))
-    return HUB[prefix] + key[len(prefix):]
+    return HUB[prefix] + key[len(prefix) :]
 
 
 def write_state(state, folder, config_json, shards=1):
@@ -71,7 +109,9 @@ def write_state(state, folder, config_json, shards=1):
         part = keys[i::shards]
         save_file({k: state[k] for k in part}, folder / name, metadata={"format": "pt"})
         weight_map.update({k: name for k in part})
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     return folder
 
 
@@ -90,25 +130,51 @@ def write_checkpoint(theirs, folder, spelling, sharded):
 
 @pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("spelling", ["hub", "transformers5", "in_memory"])
-def test_every_spelling_loads_to_transformers_logits(theirs, tmp_path, spelling, sharded):
+def test_every_spelling_loads_to_transformers_logits(
+    theirs, tmp_path, spelling, sharded
+):
     folder = write_checkpoint(theirs, tmp_path / "ckpt", spelling, sharded)
     keys = {k for f in folder.glob("*.safetensors") for k in read_safetensors_header(f)}
-    assert any(k.startswith({"hub": "vision_tower.vision_model.", "transformers5": "vision_tower.encoder.",
-                             "in_memory": "model.vision_tower."}[spelling]) for k in keys)
+    assert any(
+        k.startswith(
+            {
+                "hub": "vision_tower.vision_model.",
+                "transformers5": "vision_tower.encoder.",
+                "in_memory": "model.vision_tower.",
+            }[spelling]
+        )
+        for k in keys
+    )
     ours = load_pretrained(folder)
-    assert ours.language_model.lm_head.weight is ours.language_model.model.embed_tokens.weight
+    assert (
+        ours.language_model.lm_head.weight
+        is ours.language_model.model.embed_tokens.weight
+    )
     assert not ours.training and not any(p.is_meta for p in ours.parameters())
-    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in ours.parameters())
+    assert all(
+        p.dtype == torch.float32 and p.device.type == "cpu" for p in ours.parameters()
+    )
     torch.testing.assert_close(logits_of(ours), logits_of(theirs), rtol=1e-5, atol=1e-5)
 
 
 def test_key_map():
-    for key in ["vision_tower.vision_model.post_layernorm.bias", "vision_tower.post_layernorm.bias",
-                "model.vision_tower.post_layernorm.bias", "model.vision_tower.vision_model.post_layernorm.bias"]:
+    for key in [
+        "vision_tower.vision_model.post_layernorm.bias",
+        "vision_tower.post_layernorm.bias",
+        "model.vision_tower.post_layernorm.bias",
+        "model.vision_tower.vision_model.post_layernorm.bias",
+    ]:
         assert our_name(key) == "vision_tower.vision_model.post_layernorm.bias"
-    assert our_name("model.language_model.norm.weight") == our_name("language_model.model.norm.weight") == \
-        "language_model.model.norm.weight"
-    assert our_name("lm_head.weight") == our_name("language_model.lm_head.weight") == "language_model.lm_head.weight"
+    assert (
+        our_name("model.language_model.norm.weight")
+        == our_name("language_model.model.norm.weight")
+        == "language_model.model.norm.weight"
+    )
+    assert (
+        our_name("lm_head.weight")
+        == our_name("language_model.lm_head.weight")
+        == "language_model.lm_head.weight"
+    )
     assert our_name("text_model.embeddings.token_embedding.weight") is None
 
 
@@ -116,9 +182,17 @@ def hub_layout(config: PaliGemmaConfig) -> dict:
     "Tensor names and shapes of a PaliGemma checkpoint on the Hub (transformers 4.x names), written out by hand"
     v, t = config.vision, config.text
     shapes = {
-        "vision_tower.vision_model.embeddings.patch_embedding.weight": (v.hidden_size, 3, v.patch_size, v.patch_size),
+        "vision_tower.vision_model.embeddings.patch_embedding.weight": (
+            v.hidden_size,
+            3,
+            v.patch_size,
+            v.patch_size,
+        ),
         "vision_tower.vision_model.embeddings.patch_embedding.bias": (v.hidden_size,),
-        "vision_tower.vision_model.embeddings.position_embedding.weight": (v.num_image_tokens, v.hidden_size),
+        "vision_tower.vision_model.embeddings.position_embedding.weight": (
+            v.num_image_tokens,
+            v.hidden_size,
+        ),
         "vision_tower.vision_model.post_layernorm.weight": (v.hidden_size,),
         "vision_tower.vision_model.post_layernorm.bias": (v.hidden_size,),
         "multi_modal_projector.linear.weight": (config.projection_dim, v.hidden_size),
@@ -133,17 +207,40 @@ def hub_layout(config: PaliGemmaConfig) -> dict:
             shapes[p + f"self_attn.{proj}.bias"] = (v.hidden_size,)
         for norm in ["layer_norm1", "layer_norm2"]:
             shapes[p + f"{norm}.weight"] = shapes[p + f"{norm}.bias"] = (v.hidden_size,)
-        shapes[p + "mlp.fc1.weight"], shapes[p + "mlp.fc1.bias"] = (v.intermediate_size, v.hidden_size), (v.intermediate_size,)
-        shapes[p + "mlp.fc2.weight"], shapes[p + "mlp.fc2.bias"] = (v.hidden_size, v.intermediate_size), (v.hidden_size,)
+        shapes[p + "mlp.fc1.weight"], shapes[p + "mlp.fc1.bias"] = (
+            (v.intermediate_size, v.hidden_size),
+            (v.intermediate_size,),
+        )
+        shapes[p + "mlp.fc2.weight"], shapes[p + "mlp.fc2.bias"] = (
+            (v.hidden_size, v.intermediate_size),
+            (v.hidden_size,),
+        )
     for i in range(t.num_hidden_layers):
         p = f"language_model.model.layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (t.num_attention_heads * t.head_dim, t.hidden_size)
-        shapes[p + "self_attn.k_proj.weight"] = (t.num_key_value_heads * t.head_dim, t.hidden_size)
-        shapes[p + "self_attn.v_proj.weight"] = (t.num_key_value_heads * t.head_dim, t.hidden_size)
-        shapes[p + "self_attn.o_proj.weight"] = (t.hidden_size, t.num_attention_heads * t.head_dim)
-        shapes[p + "mlp.gate_proj.weight"] = shapes[p + "mlp.up_proj.weight"] = (t.intermediate_size, t.hidden_size)
+        shapes[p + "self_attn.q_proj.weight"] = (
+            t.num_attention_heads * t.head_dim,
+            t.hidden_size,
+        )
+        shapes[p + "self_attn.k_proj.weight"] = (
+            t.num_key_value_heads * t.head_dim,
+            t.hidden_size,
+        )
+        shapes[p + "self_attn.v_proj.weight"] = (
+            t.num_key_value_heads * t.head_dim,
+            t.hidden_size,
+        )
+        shapes[p + "self_attn.o_proj.weight"] = (
+            t.hidden_size,
+            t.num_attention_heads * t.head_dim,
+        )
+        shapes[p + "mlp.gate_proj.weight"] = shapes[p + "mlp.up_proj.weight"] = (
+            t.intermediate_size,
+            t.hidden_size,
+        )
         shapes[p + "mlp.down_proj.weight"] = (t.hidden_size, t.intermediate_size)
-        shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (t.hidden_size,)
+        shapes[p + "input_layernorm.weight"] = shapes[
+            p + "post_attention_layernorm.weight"
+        ] = (t.hidden_size,)
     return shapes
 
 
@@ -151,12 +248,17 @@ def test_real_3b_config_on_meta_has_the_hub_names_and_shapes():
     config = PaliGemmaConfig()  # google/paligemma-3b-pt-224
     with torch.device("meta"):
         ours = PaliGemmaForConditionalGeneration(config)
-        theirs = transformers.PaliGemmaForConditionalGeneration(transformers.PaliGemmaConfig(**config.to_hf()))
+        theirs = transformers.PaliGemmaForConditionalGeneration(
+            transformers.PaliGemmaConfig(**config.to_hf())
+        )
     ours_shapes = {name: tuple(p.shape) for name, p in ours.named_parameters()}
     hub = hub_layout(config)
     assert len(hub) == 603 and ours_shapes == hub
     assert hub["language_model.model.layers.17.mlp.up_proj.weight"] == (16384, 2048)
-    assert hub["vision_tower.vision_model.embeddings.position_embedding.weight"] == (256, 1152)
+    assert hub["vision_tower.vision_model.embeddings.position_embedding.weight"] == (
+        256,
+        1152,
+    )
     translated = {our_name(k): tuple(v.shape) for k, v in theirs.state_dict().items()}
     assert translated.pop("language_model.lm_head.weight") == (257216, 2048)
     assert translated == hub
@@ -167,17 +269,36 @@ def test_dtype_and_device(theirs, tmp_path):
     folder = write_checkpoint(theirs, tmp_path / "ckpt", "hub", False)
     bf16 = load_pretrained(folder, dtype="bf16")
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
-    assert bf16.language_model.lm_head.weight is bf16.language_model.model.embed_tokens.weight
-    torch.testing.assert_close(logits_of(bf16).float(), logits_of(theirs), rtol=0.05, atol=0.05)
+    assert (
+        bf16.language_model.lm_head.weight
+        is bf16.language_model.model.embed_tokens.weight
+    )
+    torch.testing.assert_close(
+        logits_of(bf16).float(), logits_of(theirs), rtol=0.05, atol=0.05
+    )
     save_pretrained(bf16, tmp_path / "bf16")
-    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
-    assert {h["dtype"] for k, h in read_safetensors_header(tmp_path / "bf16" / "model.safetensors").items()
-            if k != "__metadata__"} == {"BF16"}
+    assert (
+        json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"]
+        == "bfloat16"
+    )
+    assert {
+        h["dtype"]
+        for k, h in read_safetensors_header(
+            tmp_path / "bf16" / "model.safetensors"
+        ).items()
+        if k != "__metadata__"
+    } == {"BF16"}
     again = load_pretrained(tmp_path / "bf16")  # default: the stored dtype
     assert {p.dtype for p in again.parameters()} == {torch.bfloat16}
-    assert {p.dtype for p in load_pretrained(tmp_path / "bf16", dtype=torch.float32).parameters()} == {torch.float32}
-    assert load_pretrained(folder, device="auto").language_model.lm_head.weight.device.type == (
-        "cuda" if torch.cuda.is_available() else "cpu")
+    assert {
+        p.dtype
+        for p in load_pretrained(tmp_path / "bf16", dtype=torch.float32).parameters()
+    } == {torch.float32}
+    assert load_pretrained(
+        folder, device="auto"
+    ).language_model.lm_head.weight.device.type == (
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )
     with pytest.raises(ValueError, match="dtype 'int8'"):
         load_pretrained(folder, dtype="int8")
     if not torch.cuda.is_available():
@@ -186,25 +307,42 @@ def test_dtype_and_device(theirs, tmp_path):
 
 
 def test_save_pretrained_is_what_transformers_loads(theirs, tmp_path):
-    ours = load_pretrained(write_checkpoint(theirs, tmp_path / "src", "in_memory", False))
+    ours = load_pretrained(
+        write_checkpoint(theirs, tmp_path / "src", "in_memory", False)
+    )
     save_pretrained(ours, tmp_path / "saved")
-    keys = set(read_safetensors_header(tmp_path / "saved" / "model.safetensors")) - {"__metadata__"}
+    keys = set(read_safetensors_header(tmp_path / "saved" / "model.safetensors")) - {
+        "__metadata__"
+    }
     assert keys == set(hub_layout(tiny_config()))  # the Hub layout, LM head once (tied)
     reloaded, info = transformers.PaliGemmaForConditionalGeneration.from_pretrained(
-        tmp_path / "saved", dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    torch.testing.assert_close(logits_of(reloaded.eval()), logits_of(ours), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(logits_of(load_pretrained(tmp_path / "saved")), logits_of(ours), rtol=0, atol=0)
+        tmp_path / "saved", dtype=torch.float32, output_loading_info=True
+    )
+    assert (
+        not info["missing_keys"]
+        and not info["unexpected_keys"]
+        and not info["mismatched_keys"]
+    )
+    torch.testing.assert_close(
+        logits_of(reloaded.eval()), logits_of(ours), rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        logits_of(load_pretrained(tmp_path / "saved")), logits_of(ours), rtol=0, atol=0
+    )
 
 
 def test_saving_over_the_file_a_model_was_loaded_from(theirs, tmp_path):
     folder = write_checkpoint(theirs, tmp_path / "ckpt", "hub", False)
-    ours = load_pretrained(folder)  # its parameters are views of the mapped model.safetensors
+    ours = load_pretrained(
+        folder
+    )  # its parameters are views of the mapped model.safetensors
     before = logits_of(ours)
     with torch.no_grad():
         ours.multi_modal_projector.linear.bias.add_(1.0)
     save_pretrained(ours, folder)
-    torch.testing.assert_close(logits_of(load_pretrained(folder)), logits_of(ours), rtol=0, atol=0)
+    torch.testing.assert_close(
+        logits_of(load_pretrained(folder)), logits_of(ours), rtol=0, atol=0
+    )
     assert not torch.equal(logits_of(ours), before)
 
 
@@ -218,25 +356,41 @@ def break_checkpoint(theirs, folder, how):
         (good / "model-00002-of-00003.safetensors").unlink()
     elif how == "missing_layer":
         shutil.rmtree(good)
-        write_state({k: v for k, v in state.items() if ".layers.1." not in k or "vision" in k}, folder, config_json)
+        write_state(
+            {k: v for k, v in state.items() if ".layers.1." not in k or "vision" in k},
+            folder,
+            config_json,
+        )
     elif how == "extra_layer":
         config = json.loads(config_json)
         config["text_config"]["num_hidden_layers"] = 1
         (good / "config.json").write_text(json.dumps(config))
     elif how == "unknown_tensor":
         shutil.rmtree(good)
-        write_state({**state, "text_model.head.weight": torch.zeros(2)}, folder, config_json)
+        write_state(
+            {**state, "text_model.head.weight": torch.zeros(2)}, folder, config_json
+        )
     elif how == "wrong_shape":
         shutil.rmtree(good)
         state["multi_modal_projector.linear.bias"] = torch.zeros(47)
         write_state(state, folder, config_json)
     elif how == "two_spellings":
         shutil.rmtree(good)
-        write_state({**state, "model.language_model.norm.weight": state["language_model.model.norm.weight"]},
-                    folder, config_json)
+        write_state(
+            {
+                **state,
+                "model.language_model.norm.weight": state[
+                    "language_model.model.norm.weight"
+                ],
+            },
+            folder,
+            config_json,
+        )
     elif how == "untied_head":
         shutil.rmtree(good)
-        write_state({**state, "lm_head.weight": torch.randn(300, 48)}, folder, config_json)
+        write_state(
+            {**state, "lm_head.weight": torch.randn(300, 48)}, folder, config_json
+        )
     elif how == "pickle":
         (good / "model.safetensors").unlink()
         torch.save(state, good / "pytorch_model.bin")
@@ -244,14 +398,18 @@ def break_checkpoint(theirs, folder, how):
         (good / "model.safetensors").unlink()
     elif how == "no_config":
         (good / "config.json").unlink()
-    elif how == "truncated":  # a download cut short: the header is intact, the data is not all there
+    elif (
+        how == "truncated"
+    ):  # a download cut short: the header is intact, the data is not all there
         file = good / "model.safetensors"
         file.write_bytes(file.read_bytes()[:-100])
     elif how == "trailing_bytes":
         file = good / "model.safetensors"
         file.write_bytes(file.read_bytes() + b"\0" * 10)
     elif how == "damaged_file":
-        (good / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+        (good / "model.safetensors").write_bytes(
+            b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"
+        )
     elif how == "bad_config":
         config = json.loads(config_json)
         config["text_config"]["num_key_value_heads"] = 3
@@ -262,11 +420,11 @@ def break_checkpoint(theirs, folder, how):
 BROKEN = {
     "missing_shard": r"lists 3 shard files but 1 of them are not in .*is the download complete",
     "missing_layer": r"no tensor for language_model\.model\.layers\.1\.\S+ \(2 layers expected by config\.json, "
-                     r"the files hold 1\); is the download complete\?",
+    r"the files hold 1\); is the download complete\?",
     "extra_layer": r"tensor language_model\.model\.layers\.1\.\S+ \(in model\.safetensors\) has no place",
     "unknown_tensor": r"not part of PaliGemma, e\.g\. text_model\.head\.weight",
     "wrong_shape": r"multi_modal_projector\.linear\.bias in model\.safetensors has shape \[47\], but config\.json "
-                   r"implies \[48\]",
+    r"implies \[48\]",
     "two_spellings": r"model\.language_model\.norm\.weight .* two spellings of language_model\.model\.norm\.weight",
     "untied_head": r"lm_head\.weight differs from its embedding table",
     "pickle": r"pytorch_model\.bin, a pickle checkpoint; only safetensors .*\.save_pretrained",
@@ -274,7 +432,7 @@ BROKEN = {
     "no_config": r"not a PaliGemma checkpoint: it has no config\.json",
     "damaged_file": r"model\.safetensors is not a readable safetensors file",
     "truncated": r"model\.safetensors is truncated: its header promises (\d+) bytes, the file has \d+; "
-                 r"is the download complete\?",
+    r"is the download complete\?",
     "trailing_bytes": r"model\.safetensors has 10 bytes after the data its header describes",
     "bad_config": r"config\.json does not describe .*num_key_value_heads 3",
 }
@@ -291,21 +449,38 @@ def test_truncated_file_names_both_sizes(theirs, tmp_path):
     folder = write_checkpoint(theirs, tmp_path / "ckpt", "hub", False)
     size = (folder / "model.safetensors").stat().st_size
     break_checkpoint(theirs, folder, "truncated")
-    with pytest.raises(CheckpointError, match=f"promises {size} bytes, the file has {size - 100};"):
+    with pytest.raises(
+        CheckpointError, match=f"promises {size} bytes, the file has {size - 100};"
+    ):
         read_safetensors_header(folder / "model.safetensors")
 
 
 def test_a_stored_lm_head_is_compared_as_stored_and_never_converted(theirs, tmp_path):
     "A head that differs from the embedding below bfloat16's precision is still a different head"
-    folder = write_checkpoint(theirs, tmp_path / "ckpt", "in_memory", False)  # holds lm_head.weight, equal to the table
+    folder = write_checkpoint(
+        theirs, tmp_path / "ckpt", "in_memory", False
+    )  # holds lm_head.weight, equal to the table
     model = load_pretrained(folder, dtype="bf16")
-    assert model.language_model.lm_head.weight is model.language_model.model.embed_tokens.weight
+    assert (
+        model.language_model.lm_head.weight
+        is model.language_model.model.embed_tokens.weight
+    )
     state = theirs.state_dict()
     embedding = state["model.language_model.embed_tokens.weight"]
-    head = embedding.bfloat16().float()  # the table rounded to bfloat16: equal to it once both are converted
-    assert torch.equal(head.bfloat16(), embedding.bfloat16()) and not torch.equal(head, embedding)
-    write_state({**state, "lm_head.weight": head}, tmp_path / "nearly", json.dumps(theirs.config.to_dict()))
-    with pytest.raises(CheckpointError, match="lm_head.weight differs from its embedding table"):
+    head = (
+        embedding.bfloat16().float()
+    )  # the table rounded to bfloat16: equal to it once both are converted
+    assert torch.equal(head.bfloat16(), embedding.bfloat16()) and not torch.equal(
+        head, embedding
+    )
+    write_state(
+        {**state, "lm_head.weight": head},
+        tmp_path / "nearly",
+        json.dumps(theirs.config.to_dict()),
+    )
+    with pytest.raises(
+        CheckpointError, match="lm_head.weight differs from its embedding table"
+    ):
         load_pretrained(tmp_path / "nearly", dtype="bf16")
 
 
@@ -319,7 +494,9 @@ def mapped_ranges(path: Path) -> list[tuple[int, int]]:
     return ranges
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
+@pytest.mark.skipif(
+    not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps"
+)
 def test_loading_in_the_stored_dtype_makes_no_second_copy(theirs, tmp_path):
     "A float32 parameter loaded as stored lies inside the mapping of model.safetensors; a converted one does not"
     folder = write_checkpoint(theirs, tmp_path / "ckpt", "hub", False)
@@ -327,9 +504,14 @@ def test_loading_in_the_stored_dtype_makes_no_second_copy(theirs, tmp_path):
     model = load_pretrained(folder)
     ranges = mapped_ranges(file)
     assert ranges, "the file is not mapped"
-    for p in [model.language_model.model.embed_tokens.weight, model.multi_modal_projector.linear.weight,
-              model.vision_tower.vision_model.post_layernorm.bias]:
-        assert p.dtype == torch.float32 and any(start <= p.data_ptr() < end for start, end in ranges)
+    for p in [
+        model.language_model.model.embed_tokens.weight,
+        model.multi_modal_projector.linear.weight,
+        model.vision_tower.vision_model.post_layernorm.bias,
+    ]:
+        assert p.dtype == torch.float32 and any(
+            start <= p.data_ptr() < end for start, end in ranges
+        )
     converted = load_pretrained(folder, dtype="bf16")
     address = converted.language_model.model.embed_tokens.weight.data_ptr()
     assert not any(start <= address < end for start, end in mapped_ranges(file))
@@ -347,8 +529,16 @@ def test_find_real_checkpoint(theirs, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("PALIGEMMA_WEIGHTS", raising=False)
     assert find_real_checkpoint() is None
-    snapshot = write_checkpoint(theirs, tmp_path / "cache" / "models--google--paligemma-3b-mix-224" / "snapshots" / "abc",
-                                "hub", False)
+    snapshot = write_checkpoint(
+        theirs,
+        tmp_path
+        / "cache"
+        / "models--google--paligemma-3b-mix-224"
+        / "snapshots"
+        / "abc",
+        "hub",
+        False,
+    )
     (snapshot / "tokenizer.model").write_bytes(b"")
     assert find_real_checkpoint() == snapshot
     monkeypatch.setenv("PALIGEMMA_WEIGHTS", str(tmp_path / "nowhere"))
@@ -358,9 +548,14 @@ def test_find_real_checkpoint(theirs, tmp_path, monkeypatch):
 
 def test_draw_boxes():
     from PIL import Image
+
     image = Image.new("RGB", (200, 100), "white")
     objects = parse_loc_tokens("<loc0256><loc0256><loc0768><loc0768> cat", 200, 100)
-    assert objects[0][1] == "cat" and objects[0][0] == pytest.approx((50, 25, 150, 75), abs=0.2)
+    assert objects[0][1] == "cat" and objects[0][0] == pytest.approx(
+        (50, 25, 150, 75), abs=0.2
+    )
     drawn = draw_boxes(image, objects)
-    assert drawn.getpixel((51, 50)) != (255, 255, 255) and drawn.getpixel((100, 60)) == (255, 255, 255)
+    assert drawn.getpixel((51, 50)) != (255, 255, 255) and drawn.getpixel(
+        (100, 60)
+    ) == (255, 255, 255)
     assert image.getpixel((51, 50)) == (255, 255, 255)  # the input is not drawn on
