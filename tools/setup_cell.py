@@ -1,0 +1,75 @@
+"""The setup cell that opens every chapter, and the command that writes it there.
+
+Every chapter's first code cell is the same few lines: in Colab they install
+`paligemma_lib` with the `chapters` extra from the repository named in
+`_config.yml` (`repository.url`), keeping Colab's own torch; anywhere else they do
+nothing. `tests/test_notebooks.py` checks every chapter against `setup_cell()`.
+
+    python tools/setup_cell.py      # write the cell into every chapter of book/
+"""
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TEMPLATE = """\
+# Setup. In Colab: install the book's library, paligemma_lib, with what the
+# chapters use, keeping Colab's own torch. Anywhere else: nothing (see README).
+import sys
+
+if "google.colab" in sys.modules:
+    import os
+    import subprocess
+    from importlib.metadata import version
+
+    repo = "{url}"
+    source = os.environ.get("PALIGEMMA_LIB_SOURCE", f"git+{{repo}}")
+    with open("/tmp/keep-torch.txt", "w") as f:  # never replace Colab's CUDA torch
+        f.write(f"torch=={{version('torch')}}\\n")
+    pip = [sys.executable, "-m", "pip", "install", "-q", "-c", "/tmp/keep-torch.txt"]
+    subprocess.run([*pip, f"paligemma_lib[chapters] @ {{source}}"], check=True)"""
+
+
+def repository_url() -> str:
+    "`repository.url` from _config.yml, the one place the book's home is written"
+    config = (ROOT / "_config.yml").read_text(encoding="utf-8")
+    match = re.search(r"^repository:\s*\n\s+url:\s*(\S+)", config, re.M)
+    if match is None:
+        raise ValueError("_config.yml has no repository.url")
+    return match.group(1)
+
+
+def setup_cell() -> str:
+    return TEMPLATE.format(url=repository_url())
+
+
+def chapters() -> list[Path]:
+    return sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
+
+
+def write(path: Path) -> None:
+    "Put the title cell first and the setup cell second: the first code cell"
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    source = setup_cell()
+    cells = [c for c in nb["cells"] if "".join(c["source"]) != source]
+    title = next(c for c in cells if c["cell_type"] == "markdown")
+    cells.remove(title)
+    cell = {
+        "cell_type": "code",
+        "execution_count": None,
+        "id": "setup",
+        "metadata": {"tags": ["hide-input"]},  # folded in the rendered book
+        "outputs": [],
+        "source": source.splitlines(keepends=True),
+    }
+    nb["cells"] = [title, cell, *cells]
+    text = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    path.write_text(text, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    for path in chapters():
+        write(path)
+        print("setup cell written:", path.relative_to(ROOT))
