@@ -1,8 +1,10 @@
-# Hand-written CLI wiring, not exported from a notebook: it only parses arguments and calls the library.
-"""Command line: `python -m paligemma_lib generate --model DIR --image PATH --prompt "caption en"`.
+# Hand-written CLI wiring, not exported from a notebook: it parses, then calls the lib.
+"""Command line: answer one prompt about one image.
 
-Bad input (a missing file, an unreadable image, a folder that is not a checkpoint) ends with one
-line on stderr and exit status 1, not a traceback."""
+    python -m paligemma_lib generate --model DIR --image PATH --prompt "caption en"
+
+Bad input (a missing file, an unreadable image, a folder that is not a checkpoint)
+ends with one line on stderr and exit status 1, not a traceback."""
 
 import argparse
 import sys
@@ -78,18 +80,20 @@ def generate_command(args: argparse.Namespace) -> int:
     detect = args.prompt.strip().startswith("detect")
     if args.draw and not detect:
         raise ValueError(
-            f"--draw saves the boxes of a 'detect ...' prompt; the prompt {args.prompt!r} asks for none"
+            "--draw saves the boxes of a 'detect ...' prompt; "
+            f"the prompt {args.prompt!r} asks for none"
         )
     if not args.do_sample and (
         args.temperature != 1.0 or args.top_k is not None or args.top_p is not None
     ):
         raise ValueError(
-            "--temperature, --top-k and --top-p shape a sample: add --do-sample to sample"
+            "--temperature, --top-k and --top-p shape a sample: "
+            "add --do-sample to sample"
         )
-    image = load_image(args.image)  # before the (slow) model, so a bad image fails fast
-    checkpoint_files(
-        args.model
-    )  # a folder that is not a checkpoint, then one without tokenizer.model, fail fast too
+    # Before the (slow) model, so that a bad image, a folder that is not a checkpoint,
+    # or one without tokenizer.model fails fast.
+    image = load_image(args.image)
+    checkpoint_files(args.model)
     processor = PaliGemmaProcessor.from_pretrained(args.model)
     device = resolve_device(args.device)
     model = load_pretrained(args.model, dtype=args.dtype, device=device)

@@ -22,7 +22,7 @@ def pyproject_requirements():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     reqs = list(project["dependencies"])
-    for extra, items in extras.items():
+    for items in extras.values():
         reqs += [r for r in items if not r.startswith("paligemma_lib")]
     return dict(split(r) for r in reqs)
 
@@ -42,7 +42,8 @@ def test_same_packages_and_version_bounds():
     ours = pyproject_requirements()
     conda, _ = conda_requirements()
     assert set(ours) == set(conda), (
-        f"only in pyproject: {set(ours) - set(conda)}; only in environment.yml: {set(conda) - set(ours)}"
+        f"only in pyproject: {set(ours) - set(conda)}; "
+        f"only in environment.yml: {set(conda) - set(ours)}"
     )
     for name, spec in ours.items():
         assert conda[name] == spec, (
@@ -65,7 +66,7 @@ def test_dev_extra_is_all_the_others():
 
 
 def test_runtime_dependencies_are_what_the_library_imports():
-    "Every third-party module paligemma_lib imports is a runtime dependency, and nothing else is"
+    "Every third-party module paligemma_lib imports is a runtime dependency"
     import_names = {
         "torch": "torch",
         "numpy": "numpy",

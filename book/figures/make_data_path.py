@@ -1,4 +1,7 @@
-"""Draw chapter 0's map of PaliGemma's data path: python book/figures/make_data_path.py"""
+"""Draw chapter 0's map of PaliGemma's data path.
+
+python book/figures/make_data_path.py
+"""
 
 from pathlib import Path
 
