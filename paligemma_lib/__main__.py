@@ -7,11 +7,16 @@ Bad input (a missing file, an unreadable image, a folder that is not a checkpoin
 ends with one line on stderr and exit status 1, not a traceback."""
 
 import argparse
+import math
+import os
 import sys
+from pathlib import Path
 
 import torch
+from PIL import Image
 from safetensors import SafetensorError
 
+from . import __version__
 from .generation import answer
 from .processing import PaliGemmaProcessor, load_image, parse_loc_tokens
 from .weights import (
@@ -34,6 +39,9 @@ BAD_INPUT = (
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m paligemma_lib", description="PaliGemma from scratch"
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"paligemma_lib {__version__}"
     )
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="answer one prompt about one image")
@@ -76,6 +84,65 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    "Sampling flags make sense only together with --do-sample, and only in range"
+    if not args.do_sample and (
+        args.temperature != 1.0
+        or args.top_k is not None
+        or args.top_p is not None
+        or args.seed is not None
+    ):
+        raise ValueError(
+            "--temperature, --top-k, --top-p and --seed shape a sample: "
+            "add --do-sample to sample"
+        )
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ValueError(
+            f"--temperature must be a positive finite number, got {args.temperature}"
+        )
+    if args.max_new_tokens < 1:
+        raise ValueError(
+            f"--max-new-tokens must be at least 1, got {args.max_new_tokens}"
+        )
+
+
+def check_draw_path(args: argparse.Namespace) -> None:
+    "Fail before the (slow) model if the boxes could not be saved where --draw says"
+    out = Path(args.draw)
+    if out.suffix.lower() not in Image.registered_extensions():
+        raise ValueError(
+            f"--draw {args.draw}: {out.suffix or 'no extension'} is not an image "
+            "format Pillow writes; use a name ending in .png or .jpg"
+        )
+    if out.exists() and out.resolve() == Path(args.image).resolve():
+        raise ValueError(
+            f"--draw {args.draw} is the input image; choose another file name, "
+            "so that the original is kept"
+        )
+    folder = out.parent if str(out.parent) else Path(".")
+    if out.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(
+            f"--draw {args.draw} cannot be written: "
+            + (
+                "it is a folder"
+                if out.is_dir()
+                else f"{folder} is not a writable folder"
+            )
+        )
+
+
+def check_device(name: str) -> None:
+    "Devices PyTorch knows by name but that cannot run the model here"
+    if name == "meta":
+        raise ValueError(
+            "--device meta holds shapes, not numbers: use cpu, cuda or auto"
+        )
+    if name.startswith("mps") and not torch.backends.mps.is_available():
+        raise ValueError(
+            f"--device {name}: PyTorch sees no Apple GPU (MPS) here; use cpu or auto"
+        )
+
+
 def generate_command(args: argparse.Namespace) -> int:
     detect = args.prompt.strip().startswith("detect")
     if args.draw and not detect:
@@ -83,13 +150,10 @@ def generate_command(args: argparse.Namespace) -> int:
             "--draw saves the boxes of a 'detect ...' prompt; "
             f"the prompt {args.prompt!r} asks for none"
         )
-    if not args.do_sample and (
-        args.temperature != 1.0 or args.top_k is not None or args.top_p is not None
-    ):
-        raise ValueError(
-            "--temperature, --top-k and --top-p shape a sample: "
-            "add --do-sample to sample"
-        )
+    check_sampling_flags(args)
+    check_device(args.device)
+    if args.draw:
+        check_draw_path(args)
     # Before the (slow) model, so that a bad image, a folder that is not a checkpoint,
     # or one without tokenizer.model fails fast.
     image = load_image(args.image)
@@ -132,6 +196,9 @@ def main(argv=None) -> int:
     except BAD_INPUT as e:  # bad input: one line, no traceback
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the shell's convention, 128 + SIGINT
+        print("error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
