@@ -11,24 +11,35 @@ The modules follow the chapters: `processing` (images, tokenizer, processor),
 `weights` (loading and saving checkpoints).
 """
 
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
-
-from .generation import answer, generate
-from .processing import PaliGemmaProcessor, load_image
-from .weights import draw_boxes, load_pretrained, save_pretrained
 
 try:
     __version__ = version("paligemma_lib")
 except PackageNotFoundError:  # run from a checkout that was never installed
     __version__ = "0+unknown"
 
-__all__ = [
-    "PaliGemmaProcessor",
-    "__version__",
-    "answer",
-    "draw_boxes",
-    "generate",
-    "load_image",
-    "load_pretrained",
-    "save_pretrained",
-]
+# name -> module. Imported on first use (PEP 562), so that `import paligemma_lib`
+# and the command line start without loading torch until they need it.
+_WHERE = {
+    "PaliGemmaProcessor": "processing",
+    "answer": "generation",
+    "draw_boxes": "weights",
+    "generate": "generation",
+    "load_image": "processing",
+    "load_pretrained": "weights",
+    "save_pretrained": "weights",
+}
+__all__ = ["__version__", *_WHERE]
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'paligemma_lib' has no attribute {name!r}")
+    value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})

@@ -6,10 +6,24 @@
 Bad input (a missing file, an unreadable image, a folder that is not a checkpoint)
 ends with one line on stderr and exit status 1, not a traceback."""
 
+import signal
+import sys
+
+
+def _interrupted(signum, frame):
+    "Ctrl-C, in any phase: one line and the shell's status for SIGINT (128 + 2)"
+    print("error: interrupted", file=sys.stderr)
+    sys.exit(130)
+
+
+# Run as a program: first, before the slow imports, so that Ctrl-C never prints a
+# traceback. (Imported, by the tests, it leaves the caller's Ctrl-C alone.)
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupted)
+
 import argparse
 import math
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -196,9 +210,6 @@ def main(argv=None) -> int:
     except BAD_INPUT as e:  # bad input: one line, no traceback
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C: the shell's convention, 128 + SIGINT
-        print("error: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":
