@@ -184,7 +184,7 @@ class TextConfig:
 
 # %% ../book/07_paligemma.ipynb #c007
 def _check_num_image_tokens(d: dict, vision: VisionConfig):
-    "A config.json may state num_image_tokens at the top and in both sub-configs; each must be what the vision sizes give"
+    "Each num_image_tokens in config.json must be what the vision sizes give"
     for where, section in [
         ("at the top level", d),
         ("in vision_config", d.get("vision_config") or {}),
@@ -193,15 +193,16 @@ def _check_num_image_tokens(d: dict, vision: VisionConfig):
         given = section.get("num_image_tokens")
         if given is not None and given != vision.num_image_tokens:
             raise ValueError(
-                f"num_image_tokens {given} {where} contradicts the vision settings: image_size {vision.image_size} / "
-                f"patch_size {vision.patch_size} = {vision.num_patches_per_side} patches per side, "
+                f"num_image_tokens {given} {where} contradicts the vision settings: "
+                f"image_size {vision.image_size} / patch_size {vision.patch_size} = "
+                f"{vision.num_patches_per_side} patches per side, "
                 f"{vision.num_image_tokens} image tokens; correct config.json"
             )
 
 
 @dataclass
 class PaliGemmaConfig:
-    "PaliGemma settings: a SigLIP `vision` config, a Gemma `text` config, and how they are joined"
+    "PaliGemma: a SigLIP `vision` config, a Gemma `text` config, and how they join"
 
     vision: VisionConfig = None
     text: TextConfig = None
@@ -216,12 +217,14 @@ class PaliGemmaConfig:
         self.text = self.text if self.text is not None else TextConfig()
         if self.projection_dim != self.text.hidden_size:
             raise ValueError(
-                f"projection_dim {self.projection_dim} must equal the text model's hidden_size "
-                f"{self.text.hidden_size}: the projector writes image features into the text embedding space"
+                f"projection_dim {self.projection_dim} must equal the text model's "
+                f"hidden_size {self.text.hidden_size}: the projector writes image "
+                f"features into the text embedding space"
             )
         if not 0 <= self.image_token_index < self.text.vocab_size:
             raise ValueError(
-                f"image_token_index {self.image_token_index} is outside the vocabulary (size {self.text.vocab_size})"
+                f"image_token_index {self.image_token_index} is outside the vocabulary "
+                f"(size {self.text.vocab_size})"
             )
 
     @property
@@ -230,7 +233,7 @@ class PaliGemmaConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> "PaliGemmaConfig":
-        "From a Hugging Face PaliGemma config.json dict; missing values take defaults, unused keys are ignored"
+        "From a Hub config.json dict: defaults for what it omits, unused keys ignored"
         d = dict(d)
         if "image_token_id" in d and "image_token_index" not in d:  # the newer spelling
             d["image_token_index"] = d["image_token_id"]

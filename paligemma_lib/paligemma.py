@@ -2,8 +2,8 @@
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'PaliGemmaMultiModalProjector', 'PaliGemmaOutput',
-           'PaliGemmaForConditionalGeneration', 'make_prefix_lm_mask',
-           'position_ids_from_mask', 'next_token_loss']
+           'merge_image_features', 'make_prefix_lm_mask', 'position_ids_from_mask',
+           'next_token_loss', 'PaliGemmaForConditionalGeneration']
 
 # %% ../book/07_paligemma.ipynb #c003
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ from .siglip import SiglipVisionModel
 
 # %% ../book/07_paligemma.ipynb #c010
 class PaliGemmaMultiModalProjector(nn.Module):
-    "One linear layer from the vision tower's width to the language model's: [B, N, 1152] -> [B, N, 2048]"
+    "One Linear from the vision width to the text width D: [B, N, 1152] -> [B, N, D]"
 
     def __init__(self, config: PaliGemmaConfig):
         super().__init__()
@@ -31,69 +31,54 @@ class PaliGemmaMultiModalProjector(nn.Module):
 # %% ../book/07_paligemma.ipynb #c013
 @dataclass
 class PaliGemmaOutput:
-    "What the model returns: next-token `logits` [B, S, vocab], the `loss` when labels are given, the `kv_cache`"
+    "The model's outputs: `logits` [B, S, V], the `loss` given labels, the `kv_cache`"
 
     logits: torch.Tensor
     loss: torch.Tensor = None
     kv_cache: object = None
 
 
-class PaliGemmaForConditionalGeneration(nn.Module):
-    "SigLIP vision tower + linear projector + Gemma decoder, with the checkpoint's module names"
-
-    def __init__(self, config: PaliGemmaConfig):
-        super().__init__()
-        self.config = config
-        self.vision_tower = SiglipVisionModel(config.vision)
-        self.multi_modal_projector = PaliGemmaMultiModalProjector(config)
-        self.language_model = GemmaForCausalLM(config.text)
-
-    def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        "Images -> projected features, one per patch: [B, 3, H, W] -> [B, num_image_tokens, text hidden]"
-        features = self.vision_tower(pixel_values).last_hidden_state  # [B, N, 1152]
-        return self.multi_modal_projector(features)  # [B, N, 2048]
-
-    def merge_image_features(
-        self, input_ids: torch.Tensor, image_features: torch.Tensor
-    ) -> torch.Tensor:
-        "Embed `input_ids` and write `image_features` into the `<image>` positions, row by row"
-        inputs_embeds = self.language_model.model.embed(
-            input_ids
-        )  # [B, S, D], scaled by sqrt(D)
-        is_image = input_ids == self.config.image_token_index  # [B, S]
-        num_images, num_features = image_features.shape[:2]
-        if num_images != input_ids.shape[0]:
-            raise ValueError(
-                f"{num_images} images for {input_ids.shape[0]} prompts: PaliGemma takes one image per prompt"
-            )
-        per_row = is_image.sum(-1)  # [B]
-        wrong = (per_row != num_features).nonzero().flatten().tolist()
-        if wrong:
-            raise ValueError(
-                f"row {wrong[0]} of input_ids holds {per_row[wrong[0]].item()} <image> tokens but its image gives "
-                f"{num_features} features ({len(wrong)} such rows); each prompt needs exactly {num_features} "
-                f"<image> tokens (PaliGemmaProcessor adds them)"
-            )
-        features = image_features.to(inputs_embeds.dtype).reshape(
-            -1, inputs_embeds.shape[-1]
+def _check_image_tokens(is_image: torch.Tensor, image_features: torch.Tensor):
+    "One image per row, and exactly N <image> tokens in every row of input_ids"
+    (num_images, N), B = image_features.shape[:2], is_image.shape[0]
+    if num_images != B:
+        raise ValueError(
+            f"{num_images} images for {B} prompts: PaliGemma takes one image per prompt"
         )
-        return inputs_embeds.masked_scatter(is_image.unsqueeze(-1), features)
+    per_row = is_image.sum(-1)  # [B]
+    wrong = (per_row != N).nonzero().flatten().tolist()
+    if wrong:
+        raise ValueError(
+            f"row {wrong[0]} of input_ids holds {per_row[wrong[0]].item()} <image> "
+            f"tokens but its image gives {N} features ({len(wrong)} such rows); each "
+            f"prompt needs exactly {N} <image> tokens (PaliGemmaProcessor adds them)"
+        )
+
+
+def merge_image_features(
+    inputs_embeds: torch.Tensor,
+    input_ids: torch.Tensor,
+    image_features: torch.Tensor,
+    image_token_index: int,
+) -> torch.Tensor:
+    "Write image_features [B, N, D] into the <image> slots of inputs_embeds [B, S, D]"
+    is_image = input_ids == image_token_index  # [B, S]
+    _check_image_tokens(is_image, image_features)
+    D = inputs_embeds.shape[-1]
+    features = image_features.to(inputs_embeds.dtype).reshape(-1, D)  # [B * N, D]
+    return inputs_embeds.masked_scatter(is_image[..., None], features)
 
 # %% ../book/07_paligemma.ipynb #c017
 def make_prefix_lm_mask(
     attention_mask: torch.Tensor, token_type_ids: torch.Tensor, num_queries: int = None
 ) -> torch.Tensor:
-    "Boolean [B, Q, K] mask, True where query i may attend to key j: bidirectional over the prefix, causal over the suffix"
-    block = token_type_ids.long().cumsum(
-        -1
-    )  # [B, K]: 0 for the prefix, k for the k-th suffix token
-    valid = attention_mask.bool()  # [B, K]
+    "[B, num_queries, S] bool, True where query i may attend to key j (prefix-LM rule)"
+    block = token_type_ids.long().cumsum(-1)  # [B, S]: 0 prefix, k for suffix token k
+    valid = attention_mask.bool()  # [B, S]
     num_queries = block.shape[1] if num_queries is None else num_queries
-    query_block, query_valid = (
-        block[:, -num_queries:],
-        valid[:, -num_queries:],
-    )  # [B, Q]
-    allowed = block[:, None, :] <= query_block[:, :, None]  # [B, Q, K]
+    query_block = block[:, -num_queries:]  # [B, num_queries]
+    query_valid = valid[:, -num_queries:]  # [B, num_queries]
+    allowed = block[:, None, :] <= query_block[:, :, None]  # [B, num_queries, S]
     return allowed & valid[:, None, :] & query_valid[:, :, None]
 
 # %% ../book/07_paligemma.ipynb #c024
@@ -107,74 +92,98 @@ IGNORE_INDEX = -100
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    "Mean cross-entropy of predicting labels[:, t + 1] from logits[:, t], over labels that are not -100"
-    shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[
-        :, 1:
-    ]  # [B, S]: the next token's label
+    "Mean cross-entropy of labels[:, t + 1] given logits[:, t], over labels not -100"
+    # [B, S]: the next token's label
+    shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     return nn.functional.cross_entropy(
         logits.float().flatten(0, 1), shifted.flatten(), ignore_index=IGNORE_INDEX
     )
 
 # %% ../book/07_paligemma.ipynb #c029
-def _forward(
-    self: PaliGemmaForConditionalGeneration,
-    input_ids,
-    pixel_values=None,
-    attention_mask=None,
-    token_type_ids=None,
-    labels=None,
-    position_ids=None,
-    kv_cache=None,
-    logits_to_keep: int = 0,
-) -> PaliGemmaOutput:
-    "Logits for every position of `input_ids`, or the last `logits_to_keep` (and the loss on the suffix when `labels` are given)"
-    past = kv_cache.get_seq_length() if kv_cache is not None else 0
-    B, S = input_ids.shape
-    if attention_mask is None:
-        attention_mask = torch.ones(
-            B, past + S, dtype=torch.long, device=input_ids.device
-        )
-    if token_type_ids is None:
-        token_type_ids = torch.zeros_like(attention_mask)
+def _check_masks_cover(attention_mask, token_type_ids, B: int, past: int, S: int):
+    "Both masks are [B, past + S]: they cover the cached tokens and the new ones"
     if attention_mask.shape != (B, past + S) or token_type_ids.shape != (B, past + S):
         raise ValueError(
-            f"attention_mask {list(attention_mask.shape)} and token_type_ids {list(token_type_ids.shape)} must cover "
-            f"all tokens so far: [{B}, {past + S}] ({past} cached + {S} new)"
+            f"attention_mask {list(attention_mask.shape)} and token_type_ids "
+            f"{list(token_type_ids.shape)} must cover all tokens so far: "
+            f"[{B}, {past + S}] ({past} cached + {S} new)"
         )
-    if pixel_values is not None:
-        inputs_embeds = self.merge_image_features(
-            input_ids, self.get_image_features(pixel_values)
-        )
-    elif past == 0 and bool(
-        (input_ids == self.config.image_token_index).any()
-    ):  # not a decoding step
-        raise ValueError(
-            "input_ids hold <image> tokens but no pixel_values were given: pass the images "
-            "(PaliGemmaProcessor returns them as pixel_values)"
-        )
-    else:
-        inputs_embeds = self.language_model.model.embed(input_ids)  # [B, S, D]
-    if position_ids is None:
-        position_ids = position_ids_from_mask(attention_mask)[:, -S:]
-    allowed = make_prefix_lm_mask(
-        attention_mask, token_type_ids, num_queries=S
-    )  # [B, S, past + S]
-    mask = additive_mask(allowed[:, None], inputs_embeds.dtype)  # [B, 1, S, past + S]
-    hidden_states = self.language_model.model(
-        inputs_embeds=inputs_embeds,
-        attention_mask=mask,
-        position_ids=position_ids,
-        kv_cache=kv_cache,
-    )  # [B, S, D]
-    logits = self.language_model.lm_head(
-        hidden_states[:, -logits_to_keep:]
-    )  # [B, S or logits_to_keep, vocab]
-    if labels is not None and logits.shape[1] != S:
-        raise ValueError(
-            f"the loss needs the logits of all {S} positions: pass labels with logits_to_keep=0"
-        )
-    loss = next_token_loss(logits, labels) if labels is not None else None
-    return PaliGemmaOutput(logits=logits, loss=loss, kv_cache=kv_cache)
 
 
-PaliGemmaForConditionalGeneration.forward = _forward
+def _check_images_given(input_ids, image_token_index: int, past: int):
+    "A first call (nothing cached) whose input_ids hold <image> tokens needs the images"
+    if past == 0 and bool((input_ids == image_token_index).any()):
+        raise ValueError(
+            "input_ids hold <image> tokens but no pixel_values were given: pass the "
+            "images (PaliGemmaProcessor returns them as pixel_values)"
+        )
+
+
+def _check_all_logits(num_logits: int, S: int):
+    "The loss needs the logits of every position"
+    if num_logits != S:
+        raise ValueError(
+            f"the loss needs the logits of all {S} positions: pass labels with "
+            "logits_to_keep=0"
+        )
+
+
+class PaliGemmaForConditionalGeneration(nn.Module):
+    "SigLIP vision tower + linear projector + Gemma decoder, named as in checkpoints"
+
+    def __init__(self, config: PaliGemmaConfig):
+        super().__init__()
+        self.config = config
+        self.vision_tower = SiglipVisionModel(config.vision)
+        self.multi_modal_projector = PaliGemmaMultiModalProjector(config)
+        self.language_model = GemmaForCausalLM(config.text)
+
+    def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        "Images [B, 3, image_size, image_size] -> projected features [B, N, D]"
+        vision_out = self.vision_tower(pixel_values).last_hidden_state  # [B, N, 1152]
+        return self.multi_modal_projector(vision_out)  # [B, N, D]
+
+    def forward(
+        self,
+        input_ids,
+        pixel_values=None,
+        attention_mask=None,
+        token_type_ids=None,
+        labels=None,
+        position_ids=None,
+        kv_cache=None,
+        logits_to_keep: int = 0,
+    ) -> PaliGemmaOutput:
+        "Logits of all positions (or the last `logits_to_keep`); the loss given labels"
+        B, S = input_ids.shape
+        past = kv_cache.get_seq_length() if kv_cache is not None else 0
+        if attention_mask is None:  # no padding
+            attention_mask = input_ids.new_ones(B, past + S)
+        if token_type_ids is None:  # all prefix
+            token_type_ids = torch.zeros_like(attention_mask)
+        _check_masks_cover(attention_mask, token_type_ids, B, past, S)
+        image_token_index = self.config.image_token_index
+        embeds = self.language_model.model.embed(input_ids)  # [B, S, D]
+        if pixel_values is not None:
+            features = self.get_image_features(pixel_values)  # [B, N, D]
+            embeds = merge_image_features(
+                embeds, input_ids, features, image_token_index
+            )
+        else:
+            _check_images_given(input_ids, image_token_index, past)
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)[:, -S:]  # [B, S]
+        allowed = make_prefix_lm_mask(attention_mask, token_type_ids, num_queries=S)
+        hidden_states = self.language_model.model(
+            inputs_embeds=embeds,
+            attention_mask=additive_mask(allowed[:, None], embeds.dtype),
+            position_ids=position_ids,
+            kv_cache=kv_cache,
+        )  # [B, S, D]; the mask is [B, 1, S, past + S]
+        # [B, S, V], or [B, logits_to_keep, V]
+        logits = self.language_model.lm_head(hidden_states[:, -logits_to_keep:])
+        loss = None
+        if labels is not None:
+            _check_all_logits(logits.shape[1], S)
+            loss = next_token_loss(logits, labels)
+        return PaliGemmaOutput(logits=logits, loss=loss, kv_cache=kv_cache)

@@ -184,7 +184,12 @@ def _random_loc_box(rng) -> str:
 def _random_receipt(rng) -> tuple[str, str, str, str]:
     "(store, date, total, the receipt's text)"
     store = rng.choice(_STORES)
-    date = f"{rng.randrange(2019, 2026)}-{rng.randrange(1, 13):02d}-{rng.randrange(1, 29):02d}"
+    year, month, day = (
+        rng.randrange(2019, 2026),
+        rng.randrange(1, 13),
+        rng.randrange(1, 29),
+    )
+    date = f"{year}-{month:02d}-{day:02d}"
     lines, cents = [store.upper(), date], 0
     for item in rng.sample(_ITEMS, rng.randrange(1, 5)):
         quantity, price = rng.randrange(1, 5), rng.randrange(50, 1500)
@@ -204,7 +209,8 @@ def _random_example(rng) -> str:
     )
     kind = rng.randrange(7)
     if kind == 0:
-        return f"caption en\nA {rng.choice(_SIZES)} {c1} {s1} at the {rng.choice(_PLACES)}, next to a {c2} {s2}."
+        size, place = rng.choice(_SIZES), rng.choice(_PLACES)
+        return f"caption en\nA {size} {c1} {s1} at the {place}, next to a {c2} {s2}."
     if kind == 1:
         return (
             f"answer en How many {s1}s are there?\n{rng.choice((str(n), _NUMBERS[n]))}"
@@ -212,9 +218,11 @@ def _random_example(rng) -> str:
     if kind == 2:
         return f"answer en What colour is the {s1}?\n{c1}"
     if kind == 3:
-        return f"question en Is the {c1} {s1} {rng.choice(_PLACES)} of the {s2}?\n{rng.choice(('yes', 'no'))}"
+        place, yes_no = rng.choice(_PLACES), rng.choice(("yes", "no"))
+        return f"question en Is the {c1} {s1} {place} of the {s2}?\n{yes_no}"
     if kind == 4:
-        return f"detect {s1} ; {s2}\n{_random_loc_box(rng)} {s1} ; {_random_loc_box(rng)} {s2}"
+        box1, box2 = _random_loc_box(rng), _random_loc_box(rng)
+        return f"detect {s1} ; {s2}\n{box1} {s1} ; {box2} {s2}"
     store, date, total, text = _random_receipt(rng)
     if kind == 5:
         return f"ocr\n{text}"
@@ -224,13 +232,13 @@ def _random_example(rng) -> str:
 
 
 def tokenizer_corpus(num_examples: int = 2000, seed: int = 0) -> list[str]:
-    "Synthetic training text for the book's tokenizer: prompt, newline, answer, as PaliGemma reads them"
+    "Synthetic text for the book's tokenizer: prompt, newline, answer"
     rng = random.Random(seed)
     return [_random_example(rng) for _ in range(num_examples)]
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c011
 def train_tokenizer(sentences, vocab_size: int = 1792) -> bytes:
-    "Train a SentencePiece BPE model with Gemma's conventions and PaliGemma's special tokens; the serialized model"
+    "A serialized SentencePiece BPE model: Gemma's conventions, PaliGemma's tokens"
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
@@ -253,7 +261,8 @@ def train_tokenizer(sentences, vocab_size: int = 1792) -> bytes:
         normalization_rule_name="identity",
         character_coverage=1.0,
         allow_whitespace_only_pieces=True,
-        # every printable ASCII character (and the newline) gets a piece, even if the corpus lacks it
+        # every printable ASCII character (and the newline) gets a piece, even if the
+        # corpus lacks it
         required_chars="".join(chr(c) for c in range(33, 127)) + "\n",
         num_threads=1,
         minloglevel=2,
@@ -262,7 +271,7 @@ def train_tokenizer(sentences, vocab_size: int = 1792) -> bytes:
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c022
 class GemmaTokenizer:
-    "A SentencePiece model with Gemma's conventions; special ids are looked up in the model, never assumed"
+    "A SentencePiece model, Gemma's conventions; special ids looked up, not assumed"
 
     def __init__(self, model_proto: bytes):
         self.model_proto = bytes(model_proto)
@@ -270,7 +279,8 @@ class GemmaTokenizer:
             self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
         except RuntimeError:
             raise ValueError(
-                "these bytes are not a SentencePiece model (is the tokenizer.model file complete?)"
+                "these bytes are not a SentencePiece model (is the tokenizer.model "
+                "file complete?)"
             ) from None
         self.pad_id, self.eos_id, self.bos_id, self.unk_id = (
             self.sp.pad_id(),
@@ -289,10 +299,12 @@ class GemmaTokenizer:
         ]
         if missing:
             raise ValueError(
-                f"the SentencePiece model defines no {' or '.join(missing)} token; a Gemma tokenizer "
-                f"has <pad>, <eos> and <bos> (train with pad_id=0, eos_id=1, bos_id=2, unk_id=3)"
+                f"the SentencePiece model defines no {' or '.join(missing)} token; a "
+                f"Gemma tokenizer has <pad>, <eos> and <bos> (train with pad_id=0, "
+                f"eos_id=1, bos_id=2, unk_id=3)"
             )
-        # transformers appends `<image>` after the last piece when the model lacks it (real PaliGemma files do)
+        # transformers appends `<image>` after the last piece when the model lacks it
+        # (real PaliGemma files do)
         self.image_token_id = (
             self.sp.piece_to_id(IMAGE_TOKEN)
             if self.has_piece(IMAGE_TOKEN)
@@ -318,8 +330,8 @@ class GemmaTokenizer:
 
     def __repr__(self) -> str:
         return (
-            f"GemmaTokenizer({len(self)} ids: pad={self.pad_id}, eos={self.eos_id}, bos={self.bos_id}, "
-            f"unk={self.unk_id}, image={self.image_token_id})"
+            f"GemmaTokenizer({len(self)} ids: pad={self.pad_id}, eos={self.eos_id}, "
+            f"bos={self.bos_id}, unk={self.unk_id}, image={self.image_token_id})"
         )
 
     def has_piece(self, piece: str) -> bool:
@@ -344,7 +356,8 @@ class GemmaTokenizer:
                 else ""
             )
             raise ValueError(
-                f"token id {token_id} is outside this tokenizer's vocabulary (0..{len(self) - 1}){hint}"
+                f"token id {token_id} is outside this tokenizer's vocabulary "
+                f"(0..{len(self) - 1}){hint}"
             )
         return self.sp.id_to_piece(token_id)
 
@@ -358,16 +371,17 @@ class GemmaTokenizer:
     def encode(
         self, text: str, add_bos: bool = True, add_eos: bool = False
     ) -> list[int]:
-        "Text -> ids, with `<bos>` first unless add_bos=False and `<eos>` last if add_eos=True"
+        "Text -> ids; `<bos>` first unless add_bos=False, `<eos>` last if add_eos=True"
         if not isinstance(text, str):
             raise TypeError(f"expected a str, got {type(text).__name__}")
         return [self.bos_id] * add_bos + self.sp.encode(text) + [self.eos_id] * add_eos
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        "Ids of one sequence (a list or a 1-D tensor) -> text; special tokens written as their pieces, or dropped"
+        "Ids of one sequence (list or 1-D tensor) -> text, special tokens kept or not"
         if isinstance(ids, torch.Tensor) and ids.ndim != 1:
             raise ValueError(
-                f"decode takes one sequence, got a tensor of shape {list(ids.shape)}; decode each row"
+                f"decode takes one sequence, got a tensor of shape {list(ids.shape)}; "
+                f"decode each row"
             )
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
         parts, run = [], []
@@ -386,7 +400,7 @@ class GemmaTokenizer:
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c029
 def default_tokenizer_path() -> Path:
-    "The book's small PaliGemma-style tokenizer (trained in chapter 6), shipped inside the package"
+    "The book's small PaliGemma-style tokenizer (chapter 6), shipped in the package"
     return (
         Path(find_spec("paligemma_lib.processing").origin).parent
         / "assets"
@@ -396,13 +410,13 @@ def default_tokenizer_path() -> Path:
 # %% ../book/06_tokenizer_and_processor.ipynb #c036
 @dataclass
 class PaliGemmaBatch:
-    "The model's inputs; all [B, S] int64 except pixel_values [B, 3, H, W] float32; labels only for training"
+    "The model's inputs: [B, S] int64; pixel_values [B, 3, image_size, image_size]"
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor  # 1 = token, 0 = padding
     token_type_ids: torch.Tensor  # 0 = image, prefix or padding; 1 = suffix
     pixel_values: torch.Tensor
-    labels: torch.Tensor | None = None  # suffix ids, -100 elsewhere
+    labels: torch.Tensor | None = None  # training only: suffix ids, -100 elsewhere
 
     def keys(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]
@@ -413,7 +427,7 @@ class PaliGemmaBatch:
         return getattr(self, key)
 
     def to(self, device=None, dtype=None) -> "PaliGemmaBatch":
-        "Move every tensor to `device`; `dtype` (e.g. torch.bfloat16) applies to pixel_values only"
+        "Every tensor to `device`; `dtype` (e.g. torch.bfloat16) for pixel_values only"
         moved = {k: self[k].to(device) for k in self.keys()}
         moved["pixel_values"] = moved["pixel_values"].to(
             dtype or moved["pixel_values"].dtype
@@ -424,7 +438,7 @@ class PaliGemmaBatch:
 def pad_sequences(
     sequences: list[list[int]], pad_value: int, length: int, side: str
 ) -> torch.Tensor:
-    "Lists of ints -> a [B, length] int64 tensor, padded with `pad_value` on the `side` ('left' or 'right')"
+    "Lists of ints -> [B, length] int64, padded with `pad_value` on `side` (left/right)"
     out = torch.full((len(sequences), length), pad_value, dtype=torch.long)
     for row, seq in enumerate(sequences):
         values = torch.tensor(seq, dtype=torch.long)
@@ -435,6 +449,17 @@ def pad_sequences(
     return out
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c038
+def _check_tokenizer(tokenizer: GemmaTokenizer):
+    "PaliGemma's tokenizer has the location and the segmentation tokens"
+    for token in (LOC_TOKENS[0], LOC_TOKENS[-1], SEG_TOKENS[0], SEG_TOKENS[-1]):
+        if not tokenizer.has_piece(token):
+            raise ValueError(
+                f"the tokenizer has no {token} piece; PaliGemma needs "
+                f"<loc0000>..<loc1023> and <seg000>..<seg127> (a plain Gemma "
+                f"tokenizer.model lacks them: use PaliGemma's)"
+            )
+
+
 def _as_texts(texts, what: str) -> list[str]:
     "A str or a list of str -> a list of str, or a clear error"
     texts = [texts] if isinstance(texts, str) else list(texts)
@@ -447,31 +472,82 @@ def _as_texts(texts, what: str) -> list[str]:
             )
         if IMAGE_TOKEN in text:
             raise ValueError(
-                f"{what}[{i}] contains {IMAGE_TOKEN!r}: the processor adds the image tokens itself; "
-                f"remove it from the text"
+                f"{what}[{i}] contains {IMAGE_TOKEN!r}: the processor adds the image "
+                f"tokens itself; remove it from the text"
             )
     return texts
 
 
-def _check_prefixes_fit(
-    prefixes: list[list[int]], max_length: int, num_image_tokens: int
+def _as_images(images) -> list:
+    "One image (a path or a PIL image) or a list of them -> a list"
+    return [images] if isinstance(images, (str, Path, Image.Image)) else list(images)
+
+
+def _check_counts(images: list, prompts: list[str], suffixes: list[str] | None):
+    "One image and (for training) one suffix per prompt"
+    if len(images) != len(prompts):
+        raise ValueError(
+            f"the number of images ({len(images)}) differs from the number of prompts "
+            f"({len(prompts)}); PaliGemma reads one image per prompt: repeat an image "
+            f"to ask it several things"
+        )
+    if suffixes is not None and len(suffixes) != len(prompts):
+        raise ValueError(
+            f"the number of suffixes ({len(suffixes)}) differs from the number of "
+            f"prompts ({len(prompts)}); give one suffix per prompt"
+        )
+
+
+def _padding_side(padding_side: str | None, training: bool) -> str:
+    "Right padding for training, left for generation, unless asked otherwise"
+    side = padding_side or ("right" if training else "left")
+    if side not in ("left", "right"):
+        raise ValueError(
+            f"padding_side={side!r}: use 'right' (training) or 'left' (generation)"
+        )
+    return side
+
+
+def _check_return_tensors(return_tensors: str):
+    if return_tensors != "pt":
+        raise ValueError(
+            f"return_tensors={return_tensors!r}: only 'pt' (PyTorch tensors) is "
+            f"supported"
+        )
+
+
+def _check_lengths(
+    prefixes: list[list[int]],
+    answers: list[list[int]],
+    max_length: int,
+    num_image_tokens: int,
 ):
-    "Image tokens are never cut: a prefix longer than max_length is an error that says by how much"
+    "Nothing is cut: a prompt or suffix too long is an error that says by how much"
     too_long = [(i, len(p)) for i, p in enumerate(prefixes) if len(p) > max_length]
     if too_long:
         details = "; ".join(
-            f"prompt {i} needs {n} ({num_image_tokens} image tokens + {n - num_image_tokens} "
-            f"for <bos>, the prompt and its newline), {n - max_length} too many"
+            f"prompt {i} needs {n} ({num_image_tokens} image tokens + "
+            f"{n - num_image_tokens} for <bos>, the prompt and its newline), "
+            f"{n - max_length} too many"
             for i, n in too_long
         )
         raise ValueError(
-            f"max_length={max_length} is too short: {details}. Image tokens are never truncated; "
-            f"shorten the prompt or raise max_length"
+            f"max_length={max_length} is too short: {details}. Image tokens are never "
+            f"truncated; shorten the prompt or raise max_length"
         )
+    for i, (prefix, answer) in enumerate(zip(prefixes, answers)):
+        if len(prefix) + len(answer) > max_length:
+            raise ValueError(
+                f"max_length={max_length} is too short for example {i}: its prompt "
+                f"needs {len(prefix)} tokens and its suffix {len(answer)} (with "
+                f"<eos>), {len(prefix) + len(answer) - max_length} too many. Suffixes "
+                f"are not cut (the model would learn answers without their end); "
+                f"raise max_length or shorten the suffix"
+            )
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c040
 class PaliGemmaProcessor:
-    "Images + prompts (+ suffixes for training) -> PaliGemmaBatch, laid out as transformers' PaliGemmaProcessor does"
+    "Images + prompts (+ suffixes) -> PaliGemmaBatch, laid out as transformers does"
 
     def __init__(
         self,
@@ -481,39 +557,45 @@ class PaliGemmaProcessor:
         image_mean=IMAGE_MEAN,
         image_std=IMAGE_STD,
     ):
-        absent = [
-            t
-            for t in (LOC_TOKENS[0], LOC_TOKENS[-1], SEG_TOKENS[0], SEG_TOKENS[-1])
-            if not tokenizer.has_piece(t)
-        ]
-        if absent:
-            raise ValueError(
-                f"the tokenizer has no {absent[0]} piece; PaliGemma needs <loc0000>..<loc1023> and "
-                f"<seg000>..<seg127> (a plain Gemma tokenizer.model lacks them: use PaliGemma's)"
-            )
+        _check_tokenizer(tokenizer)
         if num_image_tokens < 1 or image_size < 1:
             raise ValueError(
-                f"image_size ({image_size}) and num_image_tokens ({num_image_tokens}) must be positive"
+                f"image_size ({image_size}) and num_image_tokens ({num_image_tokens}) "
+                f"must be positive"
             )
-        self.tokenizer, self.image_size, self.num_image_tokens = (
-            tokenizer,
-            image_size,
-            num_image_tokens,
-        )
+        self.tokenizer = tokenizer
+        self.image_size, self.num_image_tokens = image_size, num_image_tokens
         self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
 
+    @classmethod
+    def from_pretrained(cls, folder) -> "PaliGemmaProcessor":
+        "Tokenizer and image settings from a PaliGemma checkpoint folder"
+        folder = Path(folder)
+        tokenizer = GemmaTokenizer.from_file(_tokenizer_file(folder))
+        return cls(tokenizer, **_image_settings(folder))
+
+    def save_pretrained(self, folder):
+        "tokenizer.model, tokenizer_config.json, preprocessor_config.json (Hub layout)"
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save(folder / "tokenizer.model")
+        _write_json(folder / "tokenizer_config.json", _tokenizer_config(self.tokenizer))
+        _write_json(folder / "preprocessor_config.json", _preprocessor_config(self))
+
     def __repr__(self) -> str:
-        return f"PaliGemmaProcessor(image_size={self.image_size}, num_image_tokens={self.num_image_tokens}, {self.tokenizer})"
+        return (
+            f"PaliGemmaProcessor(image_size={self.image_size}, "
+            f"num_image_tokens={self.num_image_tokens}, {self.tokenizer})"
+        )
 
     @property
     def image_token_id(self) -> int:
         return self.tokenizer.image_token_id
 
     def encode_prefix(self, prompt: str) -> list[int]:
-        "`<image>` x num_image_tokens, `<bos>`, then prompt + newline tokenised as one string (as transformers does)"
-        return [self.image_token_id] * self.num_image_tokens + self.tokenizer.encode(
-            prompt + "\n", add_bos=True
-        )
+        "<image> x N, <bos>, then prompt + newline tokenised as one string"
+        image_tokens = [self.image_token_id] * self.num_image_tokens
+        return image_tokens + self.tokenizer.encode(prompt + "\n", add_bos=True)
 
     def encode_suffix(self, suffix: str) -> list[int]:
         return self.tokenizer.encode(suffix, add_bos=False, add_eos=True)
@@ -527,65 +609,32 @@ class PaliGemmaProcessor:
         max_length: int | None = None,
         return_tensors: str = "pt",
     ) -> PaliGemmaBatch:
-        if return_tensors != "pt":
-            raise ValueError(
-                f"return_tensors={return_tensors!r}: only 'pt' (PyTorch tensors) is supported"
-            )
-        prompts = _as_texts(prompts, "prompts")
-        images = (
-            [images] if isinstance(images, (str, Path, Image.Image)) else list(images)
-        )
-        if len(images) != len(prompts):
-            raise ValueError(
-                f"the number of images ({len(images)}) differs from the number of prompts "
-                f"({len(prompts)}); PaliGemma reads one image per prompt: repeat an image to ask it "
-                f"several things"
-            )
-        if suffixes is not None:
-            suffixes = _as_texts(suffixes, "suffixes")
-            if len(suffixes) != len(prompts):
-                raise ValueError(
-                    f"the number of suffixes ({len(suffixes)}) differs from the number of prompts "
-                    f"({len(prompts)}); give one suffix per prompt"
-                )
-        padding_side = padding_side or ("right" if suffixes is not None else "left")
-        if padding_side not in ("left", "right"):
-            raise ValueError(
-                f"padding_side={padding_side!r}: use 'right' (training) or 'left' (generation)"
-            )
+        "One sequence per (image, prompt[, suffix]), padded into a batch"
+        _check_return_tensors(return_tensors)
+        prompts, images = _as_texts(prompts, "prompts"), _as_images(images)
+        suffixes = None if suffixes is None else _as_texts(suffixes, "suffixes")
+        _check_counts(images, prompts, suffixes)
+        side = _padding_side(padding_side, training=suffixes is not None)
 
         prefixes = [self.encode_prefix(p) for p in prompts]
+        answers = [[] for _ in prompts]
+        if suffixes is not None:
+            answers = [self.encode_suffix(s) for s in suffixes]
         if max_length is not None:
-            _check_prefixes_fit(prefixes, max_length, self.num_image_tokens)
-        sequences, types = [], []
-        for i, prefix in enumerate(prefixes):
-            suffix = self.encode_suffix(suffixes[i]) if suffixes is not None else []
-            if max_length is not None and len(prefix) + len(suffix) > max_length:
-                raise ValueError(
-                    f"max_length={max_length} is too short for example {i}: its prompt needs {len(prefix)} tokens and "
-                    f"its suffix {len(suffix)} (with <eos>), {len(prefix) + len(suffix) - max_length} too many. "
-                    f"Suffixes are not cut (the model would learn answers without their end); raise max_length "
-                    f"or shorten the suffix"
-                )
-            sequences.append(prefix + suffix)
-            types.append([0] * len(prefix) + [1] * len(suffix))
+            _check_lengths(prefixes, answers, max_length, self.num_image_tokens)
+        sequences = [p + a for p, a in zip(prefixes, answers)]
+        types = [[0] * len(p) + [1] * len(a) for p, a in zip(prefixes, answers)]
 
-        length = max(len(s) for s in sequences)
-        input_ids = pad_sequences(
-            sequences, self.tokenizer.pad_id, length, padding_side
-        )  # [B, S]
-        token_type_ids = pad_sequences(types, 0, length, padding_side)  # [B, S]
-        attention_mask = pad_sequences(
-            [[1] * len(s) for s in sequences], 0, length, padding_side
-        )  # [B, S]
-        labels = (
-            input_ids.masked_fill(token_type_ids == 0, -100)
-            if suffixes is not None
-            else None
-        )
+        S = max(len(s) for s in sequences)
+        input_ids = pad_sequences(sequences, self.tokenizer.pad_id, S, side)  # [B, S]
+        token_type_ids = pad_sequences(types, 0, S, side)  # [B, S]
+        attention_mask = pad_sequences([[1] * len(s) for s in sequences], 0, S, side)
+        labels = None
+        if suffixes is not None:
+            labels = input_ids.masked_fill(token_type_ids == 0, -100)  # [B, S]
         pixel_values = process_images(
             images, self.image_size, self.image_mean, self.image_std
-        )  # [B, 3, H, W]
+        )  # [B, 3, image_size, image_size]
         return PaliGemmaBatch(
             input_ids, attention_mask, token_type_ids, pixel_values, labels
         )
@@ -598,19 +647,34 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
+def _write_json(path: Path, content: dict):
+    path.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+
+
+def _tokenizer_file(folder: Path) -> Path:
+    "The tokenizer.model of a checkpoint folder, or an error that says where to get one"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder")
+    if not (folder / "tokenizer.model").is_file():
+        raise FileNotFoundError(
+            f"{folder} has no tokenizer.model (the SentencePiece model). Hub "
+            f"checkpoints have one; folders saved by transformers 5 keep only "
+            f"tokenizer.json: copy tokenizer.model from the original checkpoint"
+        )
+    return folder / "tokenizer.model"
+
+
 def _image_settings(folder: Path) -> dict:
-    "image_size, num_image_tokens, image_mean, image_std from a checkpoint folder's JSON files"
-    found = {}  # setting -> {file name: value}
+    "image_size, num_image_tokens, image_mean, image_std from a folder's JSON files"
+    found = {}  # setting -> {where it was found: value}, so a contradiction shows
     config = _read_json(folder / "config.json")
     vision, text = config.get("vision_config", {}), config.get("text_config", {})
     if "image_size" in vision:
         found.setdefault("image_size", {})["config.json"] = vision["image_size"]
-        if (
-            "patch_size" in vision
-        ):  # each source of a setting under its own name, so a contradiction shows
-            found.setdefault("num_image_tokens", {})[
-                "config.json (vision_config: image_size / patch_size, squared)"
-            ] = (vision["image_size"] // vision["patch_size"]) ** 2
+        if "patch_size" in vision:
+            where = "config.json (vision_config: image_size / patch_size, squared)"
+            side = vision["image_size"] // vision["patch_size"]
+            found.setdefault("num_image_tokens", {})[where] = side**2
     for where, section in [
         ("top level", config),
         ("vision_config", vision),
@@ -627,7 +691,8 @@ def _image_settings(folder: Path) -> dict:
             size = settings["size"]
             if size.get("height") != size.get("width") or "height" not in size:
                 raise ValueError(
-                    f"{folder / name} asks for size {size}; PaliGemma resizes to a square (height == width)"
+                    f"{folder / name} asks for size {size}; PaliGemma resizes to a "
+                    f"square (height == width)"
                 )
             found.setdefault("image_size", {})[name] = size["height"]
         if "image_seq_length" in settings:
@@ -643,36 +708,17 @@ def _image_settings(folder: Path) -> dict:
     missing = [k for k in ("image_size", "num_image_tokens") if k not in found]
     if missing:
         raise ValueError(
-            f"found no {' or '.join(missing)} in {folder} (looked in config.json, processor_config.json, "
-            f"preprocessor_config.json); build PaliGemmaProcessor(tokenizer, image_size=..., "
-            f"num_image_tokens=...) yourself"
+            f"found no {' or '.join(missing)} in {folder} (looked in config.json, "
+            f"processor_config.json, preprocessor_config.json); build "
+            f"PaliGemmaProcessor(tokenizer, image_size=..., num_image_tokens=...) "
+            f"yourself"
         )
     return {key: next(iter(values.values())) for key, values in found.items()}
 
 
-def _from_pretrained(cls, folder) -> PaliGemmaProcessor:
-    "Tokenizer and image settings from a PaliGemma checkpoint folder"
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder")
-    if not (folder / "tokenizer.model").is_file():
-        raise FileNotFoundError(
-            f"{folder} has no tokenizer.model (the SentencePiece model). Hub checkpoints have one; "
-            f"folders saved by transformers 5 keep only tokenizer.json: copy tokenizer.model "
-            f"from the original checkpoint"
-        )
-    return cls(
-        GemmaTokenizer.from_file(folder / "tokenizer.model"), **_image_settings(folder)
-    )
-
-
-def _save_pretrained(self, folder):
-    "tokenizer.model, tokenizer_config.json and preprocessor_config.json, as in a Hub checkpoint"
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = self.tokenizer
-    self.tokenizer.save(folder / "tokenizer.model")
-    tokenizer_config = {
+def _tokenizer_config(tok: GemmaTokenizer) -> dict:
+    "tokenizer_config.json as in a Hub checkpoint"
+    return {
         "tokenizer_class": "GemmaTokenizer",
         "processor_class": "PaliGemmaProcessor",
         "add_bos_token": True,
@@ -683,31 +729,24 @@ def _save_pretrained(self, folder):
         "unk_token": tok.id_to_piece(tok.unk_id),
         "mask_token": "<mask>" if tok.has_piece("<mask>") else None,
     }
-    preprocessor_config = {
+
+
+def _preprocessor_config(processor: "PaliGemmaProcessor") -> dict:
+    "preprocessor_config.json as in a Hub checkpoint"
+    return {
         "image_processor_type": "SiglipImageProcessor",
         "processor_class": "PaliGemmaProcessor",
-        "image_seq_length": self.num_image_tokens,
-        "size": {"height": self.image_size, "width": self.image_size},
+        "image_seq_length": processor.num_image_tokens,
+        "size": {"height": processor.image_size, "width": processor.image_size},
         "do_convert_rgb": True,
         "do_resize": True,
         "resample": 3,  # bicubic
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
-        "image_mean": list(self.image_mean),
-        "image_std": list(self.image_std),
+        "image_mean": list(processor.image_mean),
+        "image_std": list(processor.image_std),
     }
-    for name, content in [
-        ("tokenizer_config.json", tokenizer_config),
-        ("preprocessor_config.json", preprocessor_config),
-    ]:
-        (folder / name).write_text(
-            json.dumps(content, indent=2) + "\n", encoding="utf-8"
-        )
-
-
-PaliGemmaProcessor.from_pretrained = classmethod(_from_pretrained)
-PaliGemmaProcessor.save_pretrained = _save_pretrained
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c061
 NUM_LOC_BINS = len(LOC_TOKENS)
@@ -715,7 +754,7 @@ _LOC_OBJECT = re.compile(r"((?:<loc\d{4}>){4})(?:<seg\d{3}>)*([^;<]*)")
 
 
 def coordinate_to_bin(value: float, size: float) -> int:
-    "A pixel coordinate along a side of `size` pixels -> its location bin, round(value / size * 1023), clipped"
+    "Pixel coordinate on a side of `size` pixels -> round(value / size * 1023), clipped"
     return min(max(round(value / size * (NUM_LOC_BINS - 1)), 0), NUM_LOC_BINS - 1)
 
 
@@ -724,7 +763,7 @@ def bin_to_coordinate(index: int, size: float) -> float:
 
 
 def boxes_to_loc_string(boxes_xyxy, image_width: int, image_height: int, labels) -> str:
-    "Boxes (xmin, ymin, xmax, ymax) in pixels and their labels -> '<locYMIN><locXMIN><locYMAX><locXMAX> label ; ...'"
+    "Boxes (xmin, ymin, xmax, ymax) in pixels, labels -> '<locYMIN>...<locXMAX> label'"
     boxes = (
         boxes_xyxy.tolist()
         if isinstance(boxes_xyxy, torch.Tensor)
@@ -744,11 +783,13 @@ def boxes_to_loc_string(boxes_xyxy, image_width: int, image_height: int, labels)
         x0, y0, x1, y1 = box
         if x1 < x0 or y1 < y0:
             raise ValueError(
-                f"box {i} is {box}: its max is below its min; boxes are (xmin, ymin, xmax, ymax)"
+                f"box {i} is {box}: its max is below its min; boxes are "
+                f"(xmin, ymin, xmax, ymax)"
             )
         if ";" in label or "<" in label:
             raise ValueError(
-                f"label {i} {label!r} contains ';' or '<', which separate objects and tokens"
+                f"label {i} {label!r} contains ';' or '<', which separate objects and "
+                f"tokens"
             )
         bins = [
             coordinate_to_bin(y0, image_height),
@@ -766,7 +807,7 @@ def boxes_to_loc_string(boxes_xyxy, image_width: int, image_height: int, labels)
 def parse_loc_tokens(
     text: str, image_width: int, image_height: int
 ) -> list[tuple[tuple[float, float, float, float], str]]:
-    "'<locYMIN><locXMIN><locYMAX><locXMAX> label ; ...' -> [((xmin, ymin, xmax, ymax) in pixels, label)]"
+    "'<locYMIN>...<locXMAX> label ; ...' -> [((xmin, ymin, xmax, ymax), label)], pixels"
     objects = []
     for match in _LOC_OBJECT.finditer(text):
         y0, x0, y1, x1 = (int(v) for v in re.findall(r"\d{4}", match.group(1)))

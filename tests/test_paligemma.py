@@ -1,15 +1,19 @@
-"""Chapter 7: PaliGemma config, merging, prefix-LM mask, loss, and parity with transformers."""
+"""Chapter 7: config, merging, mask, positions, loss; parity with transformers"""
 
 import pytest
 import torch
 import transformers
 from hf_reference import transformers_name, transformers_pair
+from torch import nn
+from transformers.models.paligemma import modeling_paligemma
 
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
 from paligemma_lib.gemma import additive_mask
 from paligemma_lib.paligemma import (
     PaliGemmaForConditionalGeneration,
+    PaliGemmaMultiModalProjector,
     make_prefix_lm_mask,
+    merge_image_features,
     next_token_loss,
     position_ids_from_mask,
 )
@@ -42,12 +46,12 @@ def tiny_config(kv_heads=1, head_dim=16, image_size=28, vision_width=32):
 
 
 def pair(config):
-    "A random transformers PaliGemma and ours holding the same weights (every tensor copied, none left over)"
+    "A random transformers PaliGemma and ours with its weights (all copied, none left)"
     return transformers_pair(config, factor=1.0)
 
 
 def batch(n_img, rows, side="right", vocab=280, seed=0):
-    "Rows of (prefix_len, suffix_len) -> ids, attention_mask, token_type_ids, labels, padded on `side`"
+    "Rows of (prefix_len, suffix_len) -> ids, attention_mask, token_type_ids, labels"
     g = torch.Generator().manual_seed(seed)
     seqs = []
     for prefix_len, suffix_len in rows:
@@ -127,9 +131,8 @@ def test_config_errors():
 
 @pytest.mark.parametrize("where", ["top", "vision_config", "text_config"])
 def test_config_num_image_tokens_must_follow_from_the_vision_sizes(where):
-    hf = (
-        tiny_config().to_hf()
-    )  # image_size 28, patch_size 14: 4 image tokens, stated in both sub-configs
+    # image_size 28, patch_size 14: 4 image tokens, stated in both sub-configs
+    hf = tiny_config().to_hf()
     assert PaliGemmaConfig.from_hf({**hf, "num_image_tokens": 4}).num_image_tokens == 4
     if where == "top":
         hf["num_image_tokens"] = 9
@@ -169,9 +172,8 @@ def test_full_model_names_and_parameter_count_match_transformers_on_meta():
         transformers_name(name): tuple(p.shape)
         for name, p in ours.named_parameters(remove_duplicate=False)
     }
-    assert (
-        our_shapes == their_shapes
-    )  # every name, through the shared map, and every shape
+    # every name, through the shared map, and every shape
+    assert our_shapes == their_shapes
 
 
 def definition(mask, types):
@@ -302,13 +304,14 @@ def test_wrong_number_of_image_tokens_is_a_clear_error():
     ids = torch.tensor([[IMAGE] * 3 + [2, 5, 108]])
     with pytest.raises(
         ValueError,
-        match="row 0 of input_ids holds 3 <image> tokens but its image gives 4 features",
+        match="row 0 of input_ids holds 3 <image> tokens but its image gives 4 "
+        "features",
     ):
         model(ids, torch.randn(1, 3, 28, 28))
 
 
 def test_image_tokens_are_counted_row_by_row():
-    "Five <image> tokens in one row and three in the other make the right total, and are still an error"
+    "Five <image> tokens in one row and three in the other: the right total, an error"
     model = PaliGemmaForConditionalGeneration(tiny_config()).eval()
     ids = torch.tensor([[IMAGE] * 4 + [2, 5, 108], [IMAGE] * 4 + [2, 5, 108]])
     ids[1, 5] = IMAGE  # row 1: five
@@ -341,3 +344,92 @@ def test_mask_shapes_must_cover_the_sequence():
             torch.randn(1, 3, 28, 28),
             attention_mask=torch.ones(1, 5, dtype=torch.long),
         )
+
+
+def test_forward_is_defined_in_the_class():
+    "help() and the module show forward as a method of the class, not an assignment"
+    forward = PaliGemmaForConditionalGeneration.forward
+    assert "forward" in vars(PaliGemmaForConditionalGeneration)
+    assert forward.__qualname__ == "PaliGemmaForConditionalGeneration.forward"
+
+
+def test_merge_image_features_writes_the_image_slots_only():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[IMAGE, IMAGE, 2, 7], [2, IMAGE, IMAGE, 8]])
+    embeds, features = (
+        torch.randn(2, 4, 6, generator=g),
+        torch.randn(2, 2, 6, generator=g),
+    )
+    merged = merge_image_features(embeds, ids, features, IMAGE)
+    is_image = ids == IMAGE
+    torch.testing.assert_close(merged[is_image], features.reshape(-1, 6))
+    torch.testing.assert_close(merged[~is_image], embeds[~is_image])
+
+
+def test_projector_is_one_linear_despite_projector_hidden_act():
+    "projector_hidden_act in config.json is a legacy key: the projector is one Linear"
+    config = tiny_config()
+    hf = config.to_hf()
+    hf["vision_config"]["projector_hidden_act"] = "gelu_fast"
+    theirs = modeling_paligemma.PaliGemmaMultiModalProjector(
+        transformers.PaliGemmaConfig(**hf)
+    )
+    assert [type(m) for m in theirs.modules()][1:] == [nn.Linear]
+    ours = PaliGemmaMultiModalProjector(config)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 4, config.vision.hidden_size)
+    torch.testing.assert_close(ours(x), theirs(x))
+    torch.testing.assert_close(ours(x), x @ ours.linear.weight.T + ours.linear.bias)
+
+
+def test_logits_depend_only_on_position_differences():
+    "RoPE: positions from 0, from 1, from 1000 or counting left padding: same logits"
+    config = tiny_config()
+    ours, _ = transformers_pair(config)  # sharpened: attention depends on positions
+    ids, mask, types, _ = batch(config.num_image_tokens, [(2, 0), (5, 0)], side="left")
+    pixels = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+
+    def logits(position_ids):
+        with torch.no_grad():
+            return ours(
+                ids,
+                pixels,
+                attention_mask=mask,
+                token_type_ids=types,
+                position_ids=position_ids,
+            ).logits
+
+    positions = position_ids_from_mask(mask)
+    reference, real = logits(positions), mask.bool()
+    B, S = ids.shape
+    for shifted in [positions - 1, positions + 999, torch.arange(S).expand(B, S)]:
+        assert (logits(shifted) - reference)[real].abs().max() <= 2e-5
+    assert (logits(2 * positions) - reference)[real].abs().max() > 1e-2
+
+
+def per_example_loss(logits, labels):
+    "big_vision's reduction (trainers/proj/paligemma/train.py): per example, then mean"
+    means = []
+    for b in range(labels.shape[0]):
+        terms = [
+            -torch.log_softmax(logits[b, t], -1)[labels[b, t + 1]]
+            for t in range(labels.shape[1] - 1)
+            if labels[b, t + 1] != -100
+        ]
+        means.append(torch.stack(terms).mean())
+    return torch.stack(means).mean()
+
+
+def test_loss_is_the_token_mean_not_big_visions_example_mean():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 11)
+    unequal = torch.tensor([[-100, 1, 2, 3, 4, 5], [-100, -100, -100, -100, 6, 7]])
+    equal = torch.tensor(
+        [[-100, -100, -100, -100, 4, 5], [-100, -100, -100, -100, 6, 7]]
+    )
+    token_mean = next_token_loss(logits, unequal)
+    example_mean = per_example_loss(logits, unequal)
+    assert (token_mean - example_mean).abs() > 1e-3
+    torch.testing.assert_close(
+        next_token_loss(logits, equal), per_example_loss(logits, equal)
+    )

@@ -1,4 +1,4 @@
-"Chapter 6: the tokenizer, the PaliGemma processor and location tokens, checked against transformers."
+"Chapter 6: tokenizer, processor and location tokens, checked against transformers."
 
 import json
 import random
@@ -29,9 +29,8 @@ from paligemma_lib.processing import (
 )
 
 transformers.logging.set_verbosity_error()
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::DeprecationWarning"
-)  # numpy 2 notices from inside transformers
+# numpy 2 notices from inside transformers
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 TEXTS = [
     "",
@@ -53,7 +52,8 @@ PROMPTS = [
 ]
 SUFFIXES = [
     "A red circle.",
-    "<loc0100><loc0010><loc0500><loc0400> circle ; <loc0300><loc0500><loc0900><loc0900> square",
+    "<loc0100><loc0010><loc0500><loc0400> circle ; "
+    "<loc0300><loc0500><loc0900><loc0900> square",
     "shapes",
     "red",
 ]
@@ -66,7 +66,7 @@ def pieces_of(model_proto: bytes) -> list[tuple]:
 
 
 def remove_piece(model_proto: bytes, piece: str) -> bytes:
-    "The model without `piece`: the layout of the real PaliGemma file, which has no <image>"
+    "The model without `piece`: the layout of the real PaliGemma file (no <image>)"
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(model_proto)
     del proto.pieces[[p.piece for p in proto.pieces].index(piece)]
@@ -109,7 +109,7 @@ def layout(request, tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_tokenizers(layout):
-    "transformers' GemmaTokenizer over the same file, with the PaliGemma settings, and with add_eos_token too"
+    "transformers' GemmaTokenizer on the file, PaliGemma's settings, then add_eos_token"
     _, folder = layout
     return (
         ReferenceTokenizer.from_pretrained(
@@ -233,6 +233,14 @@ def test_bad_ids_and_pieces_are_clear_errors(tokenizer):
         tokenizer.decode(torch.zeros(2, 3, dtype=torch.long))
 
 
+def test_checkpoint_methods_are_defined_in_the_class():
+    "help() shows from_pretrained and save_pretrained under their names, in the class"
+    for name in ["from_pretrained", "save_pretrained", "__call__"]:
+        assert name in vars(PaliGemmaProcessor), name
+        method = getattr(PaliGemmaProcessor, name)
+        assert method.__qualname__ == f"PaliGemmaProcessor.{name}"
+
+
 def test_processor_needs_location_tokens(tokenizer):
     plain = GemmaTokenizer(remove_piece(tokenizer.model_proto, "<loc1023>"))
     with pytest.raises(ValueError, match="no <loc1023> piece"):
@@ -286,9 +294,8 @@ def test_layout_labels_and_token_types(tokenizer):
         prefix = [tokenizer.image_token_id] * 4 + tokenizer.encode(prompt + "\n")
         answer = tokenizer.encode(suffix, add_bos=False) + [tokenizer.eos_id]
         pad = batch.input_ids.shape[1] - len(prefix) - len(answer)
-        assert (
-            batch.input_ids[row].tolist() == prefix + answer + [tokenizer.pad_id] * pad
-        )  # right padding
+        padding = [tokenizer.pad_id] * pad  # on the right
+        assert batch.input_ids[row].tolist() == prefix + answer + padding
         assert (
             batch.attention_mask[row].tolist()
             == [1] * (len(prefix) + len(answer)) + [0] * pad
@@ -321,9 +328,8 @@ def test_prompt_and_newline_are_tokenised_together(tokenizer):
     question = "answer en How many stars are there?"
     joint = tokenizer.encode(question + "\n")
     assert processor.encode_prefix(question)[4:] == joint
-    assert joint != tokenizer.encode(question) + tokenizer.encode(
-        "\n", add_bos=False
-    )  # "?\n" is one piece
+    separate = tokenizer.encode(question) + tokenizer.encode("\n", add_bos=False)
+    assert joint != separate  # "?\n" is one piece
 
 
 def test_images_as_paths_and_any_mode(tokenizer, tmp_path):
@@ -417,7 +423,8 @@ def test_image_and_prompt_counts_must_match(tokenizer, num_images, num_prompts):
     images = make_images()[:num_images]
     with pytest.raises(
         ValueError,
-        match=rf"number of images \({num_images}\) differs from the number of prompts \({num_prompts}\)",
+        match=rf"number of images \({num_images}\) differs from the number of "
+        rf"prompts \({num_prompts}\)",
     ):
         processor(images if num_images > 1 else images[0], ["caption en"] * num_prompts)
 
@@ -495,7 +502,7 @@ def test_from_pretrained_reads_a_folder_saved_by_transformers(layout, tmp_path):
 
 @pytest.mark.parametrize("where", ["top", "vision_config", "text_config"])
 def test_contradicting_entries_of_config_json_are_an_error(tokenizer, tmp_path, where):
-    "num_image_tokens stated anywhere in config.json must match (image_size / patch_size)^2: no silent override"
+    "num_image_tokens anywhere in config.json must be (image_size / patch_size)^2"
     tokenizer.save(tmp_path / "tokenizer.model")
     config = {"vision_config": {"image_size": 448, "patch_size": 14}, "text_config": {}}
     (config if where == "top" else config[where])["num_image_tokens"] = 256
@@ -567,14 +574,16 @@ def test_loc_string_is_y_first_with_1023_scaling():
         ["a", "b"],
     )
     assert two.startswith("<loc0000><loc0000><loc1023><loc1023> a ; <loc")
-    assert (
-        coordinate_to_bin(-5, 100) == 0 and coordinate_to_bin(150, 100) == 1023
-    )  # clipped to the image
+    # clipped to the image
+    assert coordinate_to_bin(-5, 100) == 0 and coordinate_to_bin(150, 100) == 1023
     assert bin_to_coordinate(1023, 640) == 640.0
 
 
 def test_parse_tolerates_segmentation_tokens_and_missing_labels():
-    text = "<loc0000><loc0000><loc1023><loc1023><seg001><seg127> the whole image ; <loc0512><loc0512><loc1023><loc1023>"
+    text = (
+        "<loc0000><loc0000><loc1023><loc1023><seg001><seg127> the whole image ; "
+        "<loc0512><loc0512><loc1023><loc1023>"
+    )
     assert parse_loc_tokens(text, 100, 50) == [
         ((0.0, 0.0, 100.0, 50.0), "the whole image"),
         ((512 / 1023 * 100, 512 / 1023 * 50, 100.0, 50.0), ""),
