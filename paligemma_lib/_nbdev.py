@@ -36,10 +36,16 @@ if fcntl is not None:
     fcntl.flock(_export_lock, fcntl.LOCK_EX)
 
 
+# The first line of `__all__` also holds "__all__ = " (10 columns): 78 + 10 = 88.
+ALL_WIDTH = 78
+
+
 def _wrapped_all(self, all_cells, alls):
     "`__all__` as nbdev writes it, wrapped to the book's 88 columns"
     names = alls + self.make_all(all_cells)
-    wrapper = TextWrapper(width=88, subsequent_indent=" " * 11, break_long_words=False)
+    wrapper = TextWrapper(
+        width=ALL_WIDTH, subsequent_indent=" " * 11, break_long_words=False
+    )
     return "\n".join(wrapper.wrap(str(names)))
 
 
@@ -47,7 +53,7 @@ def _wrapped_all(self, all_cells, alls):
 # it appends; ruff checks the library at 88. Continuation lines stay indented,
 # so nbdev can read the list back on the next append.
 ModuleMaker._update_all = _wrapped_all
-nbdev.maker.TextWrapper = lambda **kw: TextWrapper(**{**kw, "width": 88})
+nbdev.maker.TextWrapper = lambda **kw: TextWrapper(**{**kw, "width": ALL_WIDTH})
 
 _DIRECTIVE = re.compile(
     r"^\s*#\s*\|\s*(default_exp|exporti?|exports)\b[ \t]*([\w.]*)", re.M

@@ -2,8 +2,9 @@
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'PaliGemmaMultiModalProjector', 'PaliGemmaOutput',
-           'merge_image_features', 'make_prefix_lm_mask', 'position_ids_from_mask',
-           'next_token_loss', 'PaliGemmaForConditionalGeneration']
+           'merge_image_features', 'make_prefix_lm_mask',
+           'position_ids_from_mask', 'next_token_loss',
+           'PaliGemmaForConditionalGeneration']
 
 # %% ../book/07_paligemma.ipynb #c003
 from dataclasses import dataclass

@@ -5,8 +5,9 @@
 
 # %% auto #0
 __all__ = ['check_pixel_values', 'SiglipVisionEmbeddings', 'explicit_attention',
-           'SiglipAttention', 'SiglipMLP', 'SiglipEncoderLayer', 'SiglipEncoder',
-           'SiglipVisionOutput', 'SiglipVisionTransformer', 'SiglipVisionModel']
+           'SiglipAttention', 'SiglipMLP', 'SiglipEncoderLayer',
+           'SiglipEncoder', 'SiglipVisionOutput', 'SiglipVisionTransformer',
+           'SiglipVisionModel']
 
 # %% ../book/01_images_to_patches.ipynb #c035
 import torch

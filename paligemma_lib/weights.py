@@ -2,10 +2,11 @@
 
 # %% auto #0
 __all__ = ['KEY_MAP', 'EMBEDDING', 'LM_HEAD', 'SINGLE_FILE', 'INDEX_FILE', 'DTYPES',
-           'BOX_COLOURS', 'CheckpointError', 'read_safetensors_header', 'our_name',
-           'checkpoint_files', 'stored_tensors', 'check_tensors', 'resolve_dtype',
-           'resolve_device', 'check_tied_head', 'read_tensors', 'load_pretrained',
-           'save_pretrained', 'find_real_checkpoint', 'draw_boxes']
+           'BOX_COLOURS', 'CheckpointError', 'read_safetensors_header',
+           'our_name', 'checkpoint_files', 'stored_tensors', 'check_tensors',
+           'resolve_dtype', 'resolve_device', 'check_tied_head',
+           'read_tensors', 'load_pretrained', 'save_pretrained',
+           'find_real_checkpoint', 'draw_boxes']
 
 # %% ../book/09_loading_real_weights.ipynb #c003
 import json
