@@ -13,7 +13,8 @@ from torch import nn
 
 # %% ../book/04_gemma_building_blocks.ipynb #c015
 class GemmaRMSNorm(nn.Module):
-    "RMSNorm with Gemma's (1 + weight) scale, weight starting at 0; computed in float32, cast back at the end"
+    """RMSNorm with Gemma's (1 + weight) scale, the weight starting at 0; computed in
+    float32 and cast back at the end"""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -23,9 +24,8 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(
-            x.dtype
-        )  # scale, then round once
+        # Scale, then round once.
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -42,18 +42,19 @@ class GemmaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = F.gelu(self.gate_proj(x), approximate="tanh")  # [B, S, intermediate]
-        return self.down_proj(gate * self.up_proj(x))  # [B, S, hidden]
+        return self.down_proj(gate * self.up_proj(x))  # [B, S, D]
 
 # %% ../book/04_gemma_building_blocks.ipynb #c029
 def rope_inv_freq(head_dim: int, theta: float = 10000.0, device=None) -> torch.Tensor:
-    "The rotation speed of each pair of dimensions, theta ** (-2i / head_dim) for i < head_dim / 2, in float32"
+    """The rotation speed of each pair of dimensions, theta ** (-2i / head_dim) for
+    i < head_dim / 2, in float32"""
     if head_dim % 2:
         raise ValueError(
-            f"head_dim {head_dim} is odd: RoPE rotates pairs of dimensions, so head_dim must be even"
+            f"head_dim {head_dim} is odd: RoPE rotates pairs of dimensions, "
+            f"so head_dim must be even"
         )
-    exponents = (
-        torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    )  # [D/2]
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
+    exponents = steps / head_dim  # [d_h/2]
     return 1.0 / (theta**exponents)
 
 # %% ../book/04_gemma_building_blocks.ipynb #c038
@@ -66,36 +67,35 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ):
-    "Rotate queries [B, H, S, D] and keys [B, KV, S, D] by the angles whose cos and sin are [B, S, D]"
-    cos, sin = (
-        cos.unsqueeze(1),
-        sin.unsqueeze(1),
-    )  # [B, 1, S, D]: the same rotation for every head
+    """Rotate queries [B, H, S, d_h] and keys [B, K, S, d_h] by the angles whose cos and
+    sin are [B, S, d_h]"""
+    # [B, 1, S, d_h]: the same rotation for every head
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 # %% ../book/04_gemma_building_blocks.ipynb #c042
 class GemmaRotaryEmbedding(nn.Module):
-    "cos and sin of the RoPE angles position * inv_freq, computed in float32, returned in the activations' dtype"
+    """cos and sin of the RoPE angles position * inv_freq, computed in float32 and
+    returned in the activations' dtype"""
 
     def __init__(self, head_dim: int, theta: float = 10000.0):
         super().__init__()
         if head_dim % 2:
             raise ValueError(
-                f"head_dim {head_dim} is odd: RoPE rotates pairs of dimensions, so head_dim must be even"
+                f"head_dim {head_dim} is odd: RoPE rotates pairs of dimensions, "
+                f"so head_dim must be even"
             )
         self.head_dim, self.theta = head_dim, theta
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
         "position_ids [B, S] (integers) -> (cos, sin), each [B, S, head_dim] in `dtype`"
-        inv_freq = rope_inv_freq(
-            self.head_dim, self.theta, device=position_ids.device
-        )  # [D/2]
-        angles = (
-            position_ids.float()[..., None] * inv_freq
-        )  # [B, S, D/2], float32 whatever `dtype` is
-        angles = torch.cat(
-            (angles, angles), dim=-1
-        )  # [B, S, D]: pair i is (i, i + D/2)
+        device = position_ids.device
+        # [d_h/2]
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, device=device)
+        # [B, S, d_h/2], in float32 whatever `dtype` is
+        angles = position_ids.float()[..., None] * inv_freq
+        # [B, S, d_h]: pair i is (i, i + d_h/2)
+        angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def extra_repr(self) -> str:
