@@ -189,6 +189,7 @@ class GemmaAttention(nn.Module):
             k, v = kv_cache.update(self.layer_idx, k, v)
         _check_mask_covers_keys(attention_mask, k.shape[-2], self.layer_idx)
         groups = self.config.num_key_value_groups
+        # [B, H, S, d_h]
         out = F.scaled_dot_product_attention(
             q,
             repeat_kv(k, groups),
@@ -196,7 +197,7 @@ class GemmaAttention(nn.Module):
             attn_mask=attention_mask,
             dropout_p=self.config.attention_dropout if self.training else 0.0,
             scale=d_h**-0.5,
-        )  # [B, H, S, d_h]
+        )
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * d_h))  # [B, S, D]
 
 
@@ -435,7 +436,8 @@ class GemmaForCausalLM(nn.Module):
         position_ids=None,
         kv_cache=None,
     ):
+        # [B, S, D]
         hidden_states = self.model(
             input_ids, inputs_embeds, attention_mask, position_ids, kv_cache
-        )  # [B, S, D]
+        )
         return CausalLMOutput(logits=self.lm_head(hidden_states), kv_cache=kv_cache)
