@@ -4,7 +4,7 @@
 # (and the later chapters named in the cell markers).
 
 # %% auto #0
-__all__ = ['known_fields', 'VisionConfig', 'TextConfig', 'PaliGemmaConfig']
+__all__ = ['known_fields', 'VisionConfig', 'TextConfig', 'patch_to', 'PaliGemmaConfig']
 
 # %% ../book/01_images_to_patches.ipynb #c006
 from dataclasses import asdict, dataclass, fields
@@ -65,33 +65,10 @@ class VisionConfig:
         return {"model_type": "siglip_vision_model", **asdict(self)}
 
 # %% ../book/05_gemma_decoder.ipynb #c006
-def _check_gemma_variant(d: dict):
-    "Refuse text_config settings that change the architecture in ways this implementation does not support"
-    if d.get("model_type", "gemma") != "gemma":
-        raise ValueError(
-            f"text_config has model_type {d['model_type']!r}; only 'gemma' (the Gemma of PaliGemma 1) is implemented. "
-            f"Gemma 2 (model_type 'gemma2', the language model of PaliGemma 2) is not supported: it needs attention "
-            f"logit soft-capping, query_pre_attn_scalar and sliding-window attention, which this model does not have"
-        )
-    rope = d.get("rope_parameters") or {}
-    if d.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"RoPE settings {d.get('rope_scaling') or rope} ask for a scaled RoPE variant; "
-            f"only plain RoPE (rope_type 'default', as in PaliGemma) is implemented"
-        )
-    if d.get("attention_bias"):
-        raise ValueError(
-            "attention_bias=True: Gemma's attention projections have no biases, and neither does this one"
-        )
-    if d.get("tie_word_embeddings") is False:
-        raise ValueError(
-            "tie_word_embeddings=False: this Gemma's LM head is always the embedding table (tied)"
-        )
-
-
 @dataclass
 class TextConfig:
-    "Gemma decoder settings, named as in the `text_config` of a PaliGemma config.json; defaults are PaliGemma-3B's"
+    """Gemma decoder settings, named as in the `text_config` of a PaliGemma config.json;
+    the defaults are PaliGemma-3B's"""
 
     vocab_size: int = 257216
     hidden_size: int = 2048
@@ -121,66 +98,107 @@ class TextConfig:
             "max_position_embeddings",
         ]
         for name in sizes + ["num_hidden_layers"]:
-            value, smallest = (
-                getattr(self, name),
-                0 if name == "num_hidden_layers" else 1,
-            )
+            value = getattr(self, name)
+            smallest = 0 if name == "num_hidden_layers" else 1
             if not isinstance(value, int) or value < smallest:
                 raise ValueError(
                     f"{name}={value!r}: it must be an integer of at least {smallest}"
                 )
-        if self.num_attention_heads % self.num_key_value_heads:
-            divisors = [
-                n
-                for n in range(1, self.num_attention_heads + 1)
-                if self.num_attention_heads % n == 0
-            ]
+        H, K = self.num_attention_heads, self.num_key_value_heads
+        if H % K:
+            divisors = [n for n in range(1, H + 1) if H % n == 0]
             raise ValueError(
-                f"num_attention_heads {self.num_attention_heads} is not divisible by num_key_value_heads "
-                f"{self.num_key_value_heads}: every key/value head serves the same number of query heads; "
+                f"num_attention_heads {H} is not divisible by num_key_value_heads {K}: "
+                f"every key/value head serves the same number of query heads; "
                 f"choose num_key_value_heads among {divisors}"
             )
         if self.head_dim % 2:
             raise ValueError(
-                f"head_dim {self.head_dim} is odd: RoPE rotates pairs of dimensions, so head_dim must be even"
+                f"head_dim {self.head_dim} is odd: RoPE rotates pairs of dimensions, "
+                f"so head_dim must be even"
             )
-        if (
-            self.hidden_act == "gelu"
-        ):  # the legacy name in Gemma's config files; it meant the tanh approximation
+        # "gelu" is the legacy name in Gemma's config files; it meant the tanh GELU.
+        if self.hidden_act == "gelu":
             self.hidden_act = "gelu_pytorch_tanh"
         if self.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(
-                f"hidden_act {self.hidden_act!r}: only Gemma's 'gelu_pytorch_tanh' is implemented"
+                f"hidden_act {self.hidden_act!r}: only Gemma's 'gelu_pytorch_tanh' "
+                f"is implemented"
             )
 
     @property
     def num_key_value_groups(self) -> int:
-        "How many query heads share each key/value head"
+        "How many query heads share each key/value head, H / K"
         return self.num_attention_heads // self.num_key_value_heads
 
-    @classmethod
-    def from_hf(cls, d: dict) -> "TextConfig":
-        "From the `text_config` dict of a Hugging Face config.json, old or new spelling (other keys are ignored)"
-        _check_gemma_variant(d)
-        values = known_fields(cls, d)
-        if d.get("hidden_activation"):
-            values["hidden_act"] = d["hidden_activation"]
-        rope_theta = (d.get("rope_parameters") or {}).get(
-            "rope_theta", d.get("rope_theta")
-        )
-        if rope_theta is not None:
-            values["rope_theta"] = float(rope_theta)
-        return cls(**values)
+# %% ../book/05_gemma_decoder.ipynb #c006b
+def patch_to(cls):
+    "Decorator: attach the decorated function (or classmethod) to `cls` under its name"
 
-    def to_hf(self) -> dict:
-        "A `text_config` dict that transformers' GemmaConfig reads (both the 4.x and the 5.x RoPE spelling)"
-        rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
-        return {
-            "model_type": "gemma",
-            **asdict(self),
-            "rope_parameters": rope_parameters,
-            "tie_word_embeddings": True,
-        }
+    def attach(method):
+        setattr(cls, method.__name__, method)
+        return method
+
+    return attach
+
+
+def _check_gemma_variant(d: dict):
+    """Refuse text_config settings that change the architecture in ways this
+    implementation does not support"""
+    if d.get("model_type", "gemma") != "gemma":
+        raise ValueError(
+            f"text_config has model_type {d['model_type']!r}; only 'gemma' (the Gemma "
+            f"of PaliGemma 1) is implemented. Gemma 2 (model_type 'gemma2', the "
+            f"language model of PaliGemma 2) is not supported: it needs attention "
+            f"logit soft-capping, query_pre_attn_scalar and sliding-window attention, "
+            f"which this model does not have"
+        )
+    rope = d.get("rope_parameters") or {}
+    if d.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"RoPE settings {d.get('rope_scaling') or rope} ask for a scaled RoPE "
+            f"variant; only plain RoPE (rope_type 'default', as in PaliGemma) is "
+            f"implemented"
+        )
+    if d.get("attention_bias"):
+        raise ValueError(
+            "attention_bias=True: Gemma's attention projections have no biases, "
+            "and neither does this one"
+        )
+    if d.get("tie_word_embeddings") is False:
+        raise ValueError(
+            "tie_word_embeddings=False: this Gemma's LM head is always the embedding "
+            "table (tied)"
+        )
+
+
+@patch_to(TextConfig)
+@classmethod
+def from_hf(cls, d: dict) -> TextConfig:
+    """From the `text_config` dict of a Hugging Face config.json, old or new spelling
+    (other keys are ignored)"""
+    _check_gemma_variant(d)
+    values = known_fields(cls, d)
+    if d.get("hidden_activation"):
+        values["hidden_act"] = d["hidden_activation"]
+    rope = d.get("rope_parameters") or {}
+    rope_theta = rope.get("rope_theta", d.get("rope_theta"))
+    if rope_theta is not None:
+        values["rope_theta"] = float(rope_theta)
+    return cls(**values)
+
+
+@patch_to(TextConfig)
+def to_hf(self) -> dict:
+    """A `text_config` dict that transformers' GemmaConfig reads (both the 4.x and the
+    5.x RoPE spelling)"""
+    rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+    return {
+        "model_type": "gemma",
+        **asdict(self),
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": True,
+    }
 
 # %% ../book/07_paligemma.ipynb #c007
 def _check_num_image_tokens(d: dict, vision: VisionConfig):

@@ -4,8 +4,9 @@
 __all__ = ['GemmaRMSNorm', 'GemmaMLP', 'rope_inv_freq', 'rotate_half',
            'apply_rotary_pos_emb', 'GemmaRotaryEmbedding', 'repeat_kv',
            'additive_mask', 'make_causal_mask', 'GemmaAttention',
-           'GemmaDecoderLayer', 'prepare_attention_mask', 'GemmaModel',
-           'CausalLMOutput', 'GemmaForCausalLM']
+           'GemmaDecoderLayer', 'prepare_attention_mask',
+           'default_or_checked_positions', 'GemmaModel', 'CausalLMOutput',
+           'GemmaForCausalLM']
 
 # %% ../book/04_gemma_building_blocks.ipynb #c003
 import torch
@@ -14,7 +15,8 @@ from torch import nn
 
 # %% ../book/04_gemma_building_blocks.ipynb #c015
 class GemmaRMSNorm(nn.Module):
-    "RMSNorm with Gemma's (1 + weight) scale, weight starting at 0; computed in float32, cast back at the end"
+    """RMSNorm with Gemma's (1 + weight) scale, the weight starting at 0; computed in
+    float32 and cast back at the end"""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -24,9 +26,8 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(
-            x.dtype
-        )  # scale, then round once
+        # Scale, then round once.
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -43,18 +44,19 @@ class GemmaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = F.gelu(self.gate_proj(x), approximate="tanh")  # [B, S, intermediate]
-        return self.down_proj(gate * self.up_proj(x))  # [B, S, hidden]
+        return self.down_proj(gate * self.up_proj(x))  # [B, S, D]
 
 # %% ../book/04_gemma_building_blocks.ipynb #c029
 def rope_inv_freq(head_dim: int, theta: float = 10000.0, device=None) -> torch.Tensor:
-    "The rotation speed of each pair of dimensions, theta ** (-2i / head_dim) for i < head_dim / 2, in float32"
+    """The rotation speed of each pair of dimensions, theta ** (-2i / head_dim) for
+    i < head_dim / 2, in float32"""
     if head_dim % 2:
         raise ValueError(
-            f"head_dim {head_dim} is odd: RoPE rotates pairs of dimensions, so head_dim must be even"
+            f"head_dim {head_dim} is odd: RoPE rotates pairs of dimensions, "
+            f"so head_dim must be even"
         )
-    exponents = (
-        torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    )  # [D/2]
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
+    exponents = steps / head_dim  # [d_h/2]
     return 1.0 / (theta**exponents)
 
 # %% ../book/04_gemma_building_blocks.ipynb #c038
@@ -67,36 +69,35 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ):
-    "Rotate queries [B, H, S, D] and keys [B, KV, S, D] by the angles whose cos and sin are [B, S, D]"
-    cos, sin = (
-        cos.unsqueeze(1),
-        sin.unsqueeze(1),
-    )  # [B, 1, S, D]: the same rotation for every head
+    """Rotate queries [B, H, S, d_h] and keys [B, K, S, d_h] by the angles whose cos and
+    sin are [B, S, d_h]"""
+    # [B, 1, S, d_h]: the same rotation for every head
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 # %% ../book/04_gemma_building_blocks.ipynb #c042
 class GemmaRotaryEmbedding(nn.Module):
-    "cos and sin of the RoPE angles position * inv_freq, computed in float32, returned in the activations' dtype"
+    """cos and sin of the RoPE angles position * inv_freq, computed in float32 and
+    returned in the activations' dtype"""
 
     def __init__(self, head_dim: int, theta: float = 10000.0):
         super().__init__()
         if head_dim % 2:
             raise ValueError(
-                f"head_dim {head_dim} is odd: RoPE rotates pairs of dimensions, so head_dim must be even"
+                f"head_dim {head_dim} is odd: RoPE rotates pairs of dimensions, "
+                f"so head_dim must be even"
             )
         self.head_dim, self.theta = head_dim, theta
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
         "position_ids [B, S] (integers) -> (cos, sin), each [B, S, head_dim] in `dtype`"
-        inv_freq = rope_inv_freq(
-            self.head_dim, self.theta, device=position_ids.device
-        )  # [D/2]
-        angles = (
-            position_ids.float()[..., None] * inv_freq
-        )  # [B, S, D/2], float32 whatever `dtype` is
-        angles = torch.cat(
-            (angles, angles), dim=-1
-        )  # [B, S, D]: pair i is (i, i + D/2)
+        device = position_ids.device
+        # [d_h/2]
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, device=device)
+        # [B, S, d_h/2], in float32 whatever `dtype` is
+        angles = position_ids.float()[..., None] * inv_freq
+        # [B, S, d_h]: pair i is (i, i + d_h/2)
+        angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def extra_repr(self) -> str:
@@ -109,21 +110,21 @@ from .config import TextConfig
 
 # %% ../book/05_gemma_decoder.ipynb #c015
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    "[B, KV, S, D] -> [B, KV * n_rep, S, D]: each key/value head repeated for the n_rep query heads of its group"
+    """[B, K, S, d_h] -> [B, K * n_rep, S, d_h]: each key/value head repeated for the
+    n_rep query heads of its group"""
     if n_rep == 1:
         return x
-    B, KV, S, D = x.shape
-    x = x[:, :, None].expand(B, KV, n_rep, S, D)  # [B, KV, n_rep, S, D], a view
-    return x.reshape(
-        B, KV * n_rep, S, D
-    )  # [B, H, S, D], a copy: query head h gets key/value head h // n_rep
+    B, K, S, d_h = x.shape
+    x = x[:, :, None].expand(B, K, n_rep, S, d_h)  # [B, K, n_rep, S, d_h], a view
+    # [B, H, S, d_h], a copy: query head h gets key/value head h // n_rep
+    return x.reshape(B, K * n_rep, S, d_h)
 
 # %% ../book/05_gemma_decoder.ipynb #c024
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    "Boolean mask (True = may attend) -> additive float mask: 0 where allowed, dtype's most negative finite value where not"
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min
-    )
+    """Boolean mask (True = may attend) -> additive float mask: 0 where allowed, the
+    dtype's most negative finite value where not"""
+    zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return zeros.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def make_causal_mask(
@@ -133,92 +134,82 @@ def make_causal_mask(
     past_length: int = 0,
     device=None,
 ):
-    """Additive mask [B, 1, Q, K], K = past_length + Q: each query sees the keys up to its own position.
-    `attention_mask` is None or a 2-D padding mask [B, K] (1 = token, 0 = padding), whose padding is masked too."""
+    """Additive mask [B, 1, S, S_kv], S_kv = past_length + S: each query sees the keys
+    up to its own position. `attention_mask` is None or a 2-D padding mask [B, S_kv]
+    (1 = token, 0 = padding), whose padding is masked too."""
     key_length = past_length + query_length
     if attention_mask is not None:
         if attention_mask.ndim != 2 or attention_mask.shape[1] != key_length:
             raise ValueError(
-                f"the 2-D attention_mask has shape {list(attention_mask.shape)}; expected [batch, {key_length}]: "
-                f"one entry per key, the {past_length} cached ones and the {query_length} new ones"
+                f"the 2-D attention_mask has shape {list(attention_mask.shape)}; "
+                f"expected [batch, {key_length}]: one entry per key, the "
+                f"{past_length} cached ones and the {query_length} new ones"
             )
         device = attention_mask.device
-    query_positions = torch.arange(past_length, key_length, device=device)  # [Q]
-    key_positions = torch.arange(key_length, device=device)  # [K]
-    allowed = (key_positions[None, :] <= query_positions[:, None])[
-        None, None
-    ]  # [1, 1, Q, K]
+    query_positions = torch.arange(past_length, key_length, device=device)  # [S]
+    key_positions = torch.arange(key_length, device=device)  # [S_kv]
+    allowed = key_positions[None, :] <= query_positions[:, None]  # [S, S_kv]
+    allowed = allowed[None, None]  # [1, 1, S, S_kv]
     if attention_mask is not None:
-        allowed = allowed & attention_mask.bool()[:, None, None, :]  # [B, 1, Q, K]
+        padding = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, S_kv]
+        allowed = allowed & padding  # [B, 1, S, S_kv]
     return additive_mask(allowed, dtype)
 
 # %% ../book/05_gemma_decoder.ipynb #c027
 class GemmaAttention(nn.Module):
-    "Multi-head attention whose query heads share num_key_value_heads key/value heads (MQA/GQA), with RoPE"
+    """Multi-head attention whose H query heads share K key/value heads (MQA/GQA),
+    with RoPE"""
 
     def __init__(self, config: TextConfig, layer_idx: int):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
-        self.q_proj = nn.Linear(
-            config.hidden_size, self.num_heads * self.head_dim, bias=False
-        )
-        self.k_proj = nn.Linear(
-            config.hidden_size, self.num_kv_heads * self.head_dim, bias=False
-        )
-        self.v_proj = nn.Linear(
-            config.hidden_size, self.num_kv_heads * self.head_dim, bias=False
-        )
-        self.o_proj = nn.Linear(
-            self.num_heads * self.head_dim, config.hidden_size, bias=False
-        )
+        self.num_heads = config.num_attention_heads  # H
+        self.num_kv_heads = config.num_key_value_heads  # K
+        self.head_dim = config.head_dim  # d_h
+        D = config.hidden_size
+        H, K, d_h = self.num_heads, self.num_kv_heads, self.head_dim
+        self.q_proj = nn.Linear(D, H * d_h, bias=False)
+        self.k_proj = nn.Linear(D, K * d_h, bias=False)
+        self.v_proj = nn.Linear(D, K * d_h, bias=False)
+        self.o_proj = nn.Linear(H * d_h, D, bias=False)
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, kv_cache=None
     ):
-        "hidden_states [B, S, hidden], (cos, sin) [B, S, D], additive mask [B, 1, S, K] -> [B, S, hidden]"
+        """hidden_states [B, S, D], (cos, sin) [B, S, d_h], additive mask
+        [B, 1, S, S_kv] -> [B, S, D]"""
         B, S, _ = hidden_states.shape
-        q = (
-            self.q_proj(hidden_states)
-            .view(B, S, self.num_heads, self.head_dim)
-            .transpose(1, 2)
-        )  # [B, H, S, D]
-        k = (
-            self.k_proj(hidden_states)
-            .view(B, S, self.num_kv_heads, self.head_dim)
-            .transpose(1, 2)
-        )  # [B, KV, S, D]
-        v = (
-            self.v_proj(hidden_states)
-            .view(B, S, self.num_kv_heads, self.head_dim)
-            .transpose(1, 2)
-        )  # [B, KV, S, D]
+        H, K, d_h = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(hidden_states).view(B, S, H, d_h).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(B, S, K, d_h).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(B, S, K, d_h).transpose(1, 2)
+        # q [B, H, S, d_h]; k, v [B, K, S, d_h]
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         if kv_cache is not None:
-            k, v = kv_cache.update(
-                self.layer_idx, k, v
-            )  # [B, KV, K, D], K = cached + S
-        if attention_mask is not None and attention_mask.shape[-1] != k.shape[-2]:
-            raise ValueError(
-                f"attention_mask covers {attention_mask.shape[-1]} keys but layer {self.layer_idx} attends to "
-                f"{k.shape[-2]} (cached + new); the mask needs one column per key"
-            )
-        num_key_value_groups = self.config.num_key_value_groups
+            # [B, K, S_kv, d_h], S_kv = cached + S
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        _check_mask_covers_keys(attention_mask, k.shape[-2], self.layer_idx)
+        groups = self.config.num_key_value_groups
+        # [B, H, S, d_h]
         out = F.scaled_dot_product_attention(
             q,
-            repeat_kv(k, num_key_value_groups),
-            repeat_kv(v, num_key_value_groups),
+            repeat_kv(k, groups),
+            repeat_kv(v, groups),
             attn_mask=attention_mask,
             dropout_p=self.config.attention_dropout if self.training else 0.0,
-            scale=self.head_dim**-0.5,
-        )  # [B, H, S, D]
-        return self.o_proj(
-            out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim)
-        )  # [B, S, hidden]
+            scale=d_h**-0.5,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, H * d_h))  # [B, S, D]
+
+
+def _check_mask_covers_keys(attention_mask, num_keys: int, layer_idx: int):
+    "Raise a clear error unless the additive mask has one column per key"
+    if attention_mask is not None and attention_mask.shape[-1] != num_keys:
+        raise ValueError(
+            f"attention_mask covers {attention_mask.shape[-1]} keys but layer "
+            f"{layer_idx} attends to {num_keys} (cached + new); the mask needs one "
+            f"column per key"
+        )
 
 # %% ../book/05_gemma_decoder.ipynb #c032
 class GemmaDecoderLayer(nn.Module):
@@ -226,22 +217,18 @@ class GemmaDecoderLayer(nn.Module):
 
     def __init__(self, config: TextConfig, layer_idx: int):
         super().__init__()
+        D, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = GemmaAttention(config, layer_idx)
-        self.mlp = GemmaMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = GemmaRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
-        )  # the MLP's input norm
+        self.mlp = GemmaMLP(D, config.intermediate_size)
+        self.input_layernorm = GemmaRMSNorm(D, eps=eps)
+        self.post_attention_layernorm = GemmaRMSNorm(D, eps=eps)  # the MLP's input norm
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, kv_cache=None
     ):
-        attended = self.self_attn(
-            self.input_layernorm(hidden_states),
-            position_embeddings,
-            attention_mask,
-            kv_cache,
-        )
+        "[B, S, D] -> [B, S, D]"
+        normed = self.input_layernorm(hidden_states)
+        attended = self.self_attn(normed, position_embeddings, attention_mask, kv_cache)
         hidden_states = hidden_states + attended
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -249,42 +236,114 @@ class GemmaDecoderLayer(nn.Module):
 def prepare_attention_mask(
     attention_mask, batch_size: int, query_length: int, past_length: int, dtype, device
 ):
-    "None, a 2-D padding mask [B, K] or an additive 4-D mask [B, 1, Q, K] -> the additive mask in `dtype`"
-    if (
-        attention_mask is not None
-        and attention_mask.ndim == 2
-        and attention_mask.shape[0] != batch_size
-    ):
-        raise ValueError(
-            f"the 2-D attention_mask has {attention_mask.shape[0]} rows but the input is a batch of {batch_size}; "
-            f"pass one padding mask row per sequence, [batch, keys]"
-        )
+    """None, a 2-D padding mask [B, S_kv] or an additive 4-D mask [B, 1, S, S_kv]
+    -> the additive mask in `dtype`"""
     if attention_mask is None or attention_mask.ndim == 2:
+        _check_mask_batch(attention_mask, batch_size)
         return make_causal_mask(
             attention_mask, query_length, dtype, past_length, device
         )
+    _check_4d_mask(attention_mask, batch_size, query_length)
+    # -inf (or a float32 minimum in a float16 model) -> the finite minimum
+    return attention_mask.to(dtype).clamp(min=torch.finfo(dtype).min)
+
+
+def _check_mask_batch(attention_mask, batch_size: int):
+    "Raise a clear error unless a 2-D padding mask has one row per sequence"
+    if attention_mask is not None and attention_mask.shape[0] != batch_size:
+        raise ValueError(
+            f"the 2-D attention_mask has {attention_mask.shape[0]} rows but the input "
+            f"is a batch of {batch_size}; pass one padding mask row per sequence, "
+            f"[batch, keys]"
+        )
+
+
+def _check_4d_mask(attention_mask, batch_size: int, query_length: int):
+    "Raise a clear error unless the mask is additive floats [B or 1, 1, S, S_kv]"
+    B, S = batch_size, query_length
+    shape = attention_mask.shape
     if (
         attention_mask.ndim != 4
-        or attention_mask.shape[1] != 1
-        or attention_mask.shape[0] not in (1, batch_size)
-        or attention_mask.shape[2] != query_length
+        or shape[1] != 1
+        or shape[0] not in (1, B)
+        or shape[2] != S
     ):
         raise ValueError(
-            f"attention_mask has shape {list(attention_mask.shape)}; expected a 2-D padding mask [batch, keys] "
-            f"or an additive 4-D mask [batch, 1, {query_length}, keys]"
+            f"attention_mask has shape {list(shape)}; expected a 2-D padding mask "
+            f"[batch, keys] or an additive 4-D mask [batch, 1, {S}, keys]"
         )
     if not attention_mask.is_floating_point():
         raise ValueError(
-            f"the 4-D attention_mask has dtype {attention_mask.dtype}; it must be additive floats (0 = attend, "
-            f"very negative = blocked): build it from a boolean one with additive_mask(allowed, dtype)"
+            f"the 4-D attention_mask has dtype {attention_mask.dtype}; it must be "
+            f"additive floats (0 = attend, very negative = blocked): build it from a "
+            f"boolean one with additive_mask(allowed, dtype)"
         )
-    return attention_mask.to(dtype).clamp(
-        min=torch.finfo(dtype).min
-    )  # -inf -> the finite minimum
+
+# %% ../book/05_gemma_decoder.ipynb #c063
+def _check_one_input(input_ids, inputs_embeds):
+    "Raise a clear error unless exactly one of the two is given"
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError(
+            "pass exactly one of input_ids (token ids) and inputs_embeds "
+            "(already embedded and scaled)"
+        )
+
+
+def _check_token_ids(input_ids: torch.Tensor, vocab_size: int):
+    "Raise a clear error unless `input_ids` are integers from 0 to vocab_size - 1"
+    if input_ids.is_floating_point():
+        raise ValueError(
+            f"input_ids has dtype {input_ids.dtype}; token ids must be integers "
+            f"(torch.long), as the tokenizer returns them. Vectors that are already "
+            f"embedded go in as inputs_embeds instead"
+        )
+    if input_ids.is_meta or not input_ids.numel():
+        return  # a meta tensor has no values to check
+    low, high = input_ids.min().item(), input_ids.max().item()
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"input_ids range from {low} to {high}, but the vocabulary has "
+            f"{vocab_size} entries (0 to {vocab_size - 1}); do the tokenizer and the "
+            f"config match?"
+        )
+
+
+def _check_inputs_embeds(inputs_embeds: torch.Tensor, hidden_size: int, dtype):
+    "Raise a clear error unless `inputs_embeds` is [B, S, D] in the model's dtype"
+    if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != hidden_size:
+        raise ValueError(
+            f"inputs_embeds has shape {list(inputs_embeds.shape)}; "
+            f"expected [batch, seq, {hidden_size}]"
+        )
+    if inputs_embeds.dtype != dtype:
+        raise ValueError(
+            f"inputs_embeds has dtype {inputs_embeds.dtype} but the model's weights "
+            f"are {dtype}; cast them with inputs_embeds.to({dtype}) "
+            f"(or the model with .to({inputs_embeds.dtype}))"
+        )
+
+
+def default_or_checked_positions(
+    position_ids, batch_size: int, seq_len: int, past_length: int, device
+) -> torch.Tensor:
+    """`position_ids` [B or 1, S] as given, checked; if None, the positions
+    past_length, past_length + 1, ... of the S new tokens, [1, S]"""
+    B, S = batch_size, seq_len
+    if position_ids is None:
+        return torch.arange(past_length, past_length + S, device=device)[None]
+    shape = position_ids.shape
+    if position_ids.ndim != 2 or shape[0] not in (1, B) or shape[1] != S:
+        expected = f"[1, {S}]" if B == 1 else f"[{B}, {S}] or [1, {S}]"
+        raise ValueError(
+            f"position_ids has shape {list(shape)}; expected {expected}: one position "
+            f"per new token (or leave it None for positions {past_length}, "
+            f"{past_length + 1}, ...)"
+        )
+    return position_ids
 
 # %% ../book/05_gemma_decoder.ipynb #c036
 class GemmaModel(nn.Module):
-    "Token embedding (scaled by sqrt(hidden_size)), the decoder layers and the final RMSNorm"
+    "Token embedding (scaled by sqrt(D)), the decoder layers and the final RMSNorm"
 
     def __init__(self, config: TextConfig):
         super().__init__()
@@ -299,38 +358,12 @@ class GemmaModel(nn.Module):
         self.rotary_emb = GemmaRotaryEmbedding(config.head_dim, config.rope_theta)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        "Token ids [B, S] -> embeddings [B, S, hidden] times sqrt(hidden_size), the factor rounded to the weights' dtype"
-        if input_ids.is_floating_point():
-            raise ValueError(
-                f"input_ids has dtype {input_ids.dtype}; token ids must be integers (torch.long), as the tokenizer "
-                f"returns them. Vectors that are already embedded go in as inputs_embeds instead"
-            )
-        if (
-            not input_ids.is_meta and input_ids.numel()
-        ):  # (a meta tensor has no values to check)
-            low, high = input_ids.min().item(), input_ids.max().item()
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(
-                    f"input_ids range from {low} to {high}, but the vocabulary has {self.config.vocab_size} "
-                    f"entries (0 to {self.config.vocab_size - 1}); do the tokenizer and the config match?"
-                )
-        scale = torch.tensor(
-            self.config.hidden_size**0.5, dtype=self.embed_tokens.weight.dtype
-        )
+        """Token ids [B, S] -> embeddings [B, S, D] times sqrt(D), the factor rounded to
+        the weights' dtype"""
+        _check_token_ids(input_ids, self.config.vocab_size)
+        dtype = self.embed_tokens.weight.dtype
+        scale = torch.tensor(self.config.hidden_size**0.5, dtype=dtype)
         return self.embed_tokens(input_ids) * scale
-
-    def _check_inputs_embeds(self, inputs_embeds: torch.Tensor):
-        "Raise a clear error unless `inputs_embeds` is [B, S, hidden_size] in the model's dtype"
-        dtype, hidden = self.embed_tokens.weight.dtype, self.config.hidden_size
-        if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != hidden:
-            raise ValueError(
-                f"inputs_embeds has shape {list(inputs_embeds.shape)}; expected [batch, seq, {hidden}]"
-            )
-        if inputs_embeds.dtype != dtype:
-            raise ValueError(
-                f"inputs_embeds has dtype {inputs_embeds.dtype} but the model's weights are {dtype}; "
-                f"cast them with inputs_embeds.to({dtype}) (or the model with .to({inputs_embeds.dtype}))"
-            )
 
     def forward(
         self,
@@ -340,46 +373,28 @@ class GemmaModel(nn.Module):
         position_ids=None,
         kv_cache=None,
     ):
-        "-> the final hidden states [B, S, hidden]"
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError(
-                "pass exactly one of input_ids (token ids) and inputs_embeds (already embedded and scaled)"
-            )
-        if inputs_embeds is not None:
-            self._check_inputs_embeds(inputs_embeds)
-        hidden_states = (
-            self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        )  # [B, S, hidden]
-        B, S, _ = hidden_states.shape
-        past_length = kv_cache.get_seq_length() if kv_cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(
-                past_length, past_length + S, device=hidden_states.device
-            )[None]  # [1, S]
-        elif (
-            position_ids.ndim != 2
-            or position_ids.shape[0] not in (1, B)
-            or position_ids.shape[1] != S
-        ):
-            expected = f"[1, {S}]" if B == 1 else f"[{B}, {S}] or [1, {S}]"
-            raise ValueError(
-                f"position_ids has shape {list(position_ids.shape)}; expected {expected}: one position per new "
-                f"token (or leave it None for positions {past_length}, {past_length + 1}, ...)"
-            )
-        mask = prepare_attention_mask(
-            attention_mask, B, S, past_length, hidden_states.dtype, hidden_states.device
-        )
-        position_embeddings = self.rotary_emb(
-            position_ids, hidden_states.dtype
-        )  # (cos, sin), shared by all layers
+        "-> the final hidden states [B, S, D]"
+        _check_one_input(input_ids, inputs_embeds)
+        if inputs_embeds is None:
+            h = self.embed(input_ids)  # [B, S, D]
+        else:
+            D, dtype = self.config.hidden_size, self.embed_tokens.weight.dtype
+            _check_inputs_embeds(inputs_embeds, D, dtype)
+            h = inputs_embeds
+        B, S, _ = h.shape
+        past = kv_cache.get_seq_length() if kv_cache is not None else 0
+        positions = default_or_checked_positions(position_ids, B, S, past, h.device)
+        mask = prepare_attention_mask(attention_mask, B, S, past, h.dtype, h.device)
+        cos_sin = self.rotary_emb(positions, h.dtype)  # shared by all layers
         for layer in self.layers:
-            hidden_states = layer(hidden_states, position_embeddings, mask, kv_cache)
-        return self.norm(hidden_states)
+            h = layer(h, cos_sin, mask, kv_cache)
+        return self.norm(h)  # [B, S, D]
 
 # %% ../book/05_gemma_decoder.ipynb #c038
 @dataclass
 class CausalLMOutput:
-    "What GemmaForCausalLM returns: logits [B, S, vocab_size], and the KV cache it was given (now updated), if any"
+    """What GemmaForCausalLM returns: logits [B, S, V], and the KV cache it was given
+    (now updated), if any"""
 
     logits: torch.Tensor
     kv_cache: object = None
@@ -392,14 +407,14 @@ class GemmaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = GemmaModel(config)
-        # Built on `meta` (no memory): its weight is replaced by the embedding table right away.
+        # Built on `meta` (no memory): its weight is replaced by the embedding table
+        # right away.
         self.lm_head = nn.Linear(
             config.hidden_size, config.vocab_size, bias=False, device="meta"
         )
         self.tie_weights()
-        self.model.apply(
-            self._init_weights
-        )  # lm_head's weight is the embedding table, initialised there
+        # lm_head's weight is the embedding table, initialised there.
+        self.model.apply(self._init_weights)
 
     def tie_weights(self):
         "Make lm_head.weight the very Parameter model.embed_tokens.weight"
@@ -422,7 +437,8 @@ class GemmaForCausalLM(nn.Module):
         position_ids=None,
         kv_cache=None,
     ):
+        # [B, S, D]
         hidden_states = self.model(
             input_ids, inputs_embeds, attention_mask, position_ids, kv_cache
-        )  # [B, S, hidden]
+        )
         return CausalLMOutput(logits=self.lm_head(hidden_states), kv_cache=kv_cache)

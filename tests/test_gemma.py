@@ -1,4 +1,7 @@
-"""Chapters 4 and 5: Gemma's building blocks and decoder, checked against transformers' Gemma."""
+"""Chapters 4 and 5: Gemma's building blocks and decoder, against transformers' Gemma.
+
+Notation as in the book: B batch, S sequence, D model width, H query heads, K key/value
+heads, d_h head width, V vocabulary."""
 
 from dataclasses import asdict
 
@@ -40,12 +43,13 @@ VARIANTS = {
     "1 KV head": dict(num_key_value_heads=1),
     "2 KV heads of 4": dict(num_key_value_heads=2),
     "4 KV heads of 4": dict(num_key_value_heads=4),
-    "head_dim 32 != 64/4": dict(num_key_value_heads=2, head_dim=32),
+    "d_h 32 != D/H = 64/4": dict(num_key_value_heads=2, head_dim=32),
 }
 
 
 def reference_and_ours(config: TextConfig, seed: int = 0):
-    "transformers' GemmaForCausalLM (eager attention) with random weights, norms included, and ours loaded from it"
+    """transformers' GemmaForCausalLM (eager attention) with random weights, norms
+    included, and ours loaded from it"""
     torch.manual_seed(seed)
     reference = hf_gemma.GemmaForCausalLM(
         GemmaConfig(**config.to_hf(), attn_implementation="eager")
@@ -59,7 +63,7 @@ def reference_and_ours(config: TextConfig, seed: int = 0):
 
 
 class ConcatCache:
-    "The two methods GemmaForCausalLM asks of a KV cache, implemented by concatenation"
+    "The two methods GemmaForCausalLM asks of a KV cache, by concatenation"
 
     def __init__(self):
         self.keys, self.values = {}, {}
@@ -75,7 +79,7 @@ class ConcatCache:
         return key, value
 
 
-# ---- parity of the whole model -------------------------------------------------------------------------
+# ---- parity of the whole model -------------------------------------------------------
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -95,7 +99,7 @@ def test_logits_equal_transformers(variant):
 
 
 @pytest.mark.parametrize(
-    "variant", ["1 KV head", "2 KV heads of 4", "head_dim 32 != 64/4"]
+    "variant", ["1 KV head", "2 KV heads of 4", "d_h 32 != D/H = 64/4"]
 )
 def test_right_padded_batch_equals_transformers(variant):
     reference, ours = reference_and_ours(tiny(**VARIANTS[variant]))
@@ -111,9 +115,8 @@ def test_right_padded_batch_equals_transformers(variant):
         theirs = reference(input_ids=input_ids, attention_mask=attention_mask).logits
         alone = ours(input_ids[1:2, :5]).logits  # the padded sequence on its own
     assert (ours_logits - theirs)[real].abs().max().item() <= 1e-4
-    torch.testing.assert_close(
-        ours_logits[1, :5], alone[0], atol=1e-5, rtol=1e-5
-    )  # padding changes nothing
+    # Padding changes nothing.
+    torch.testing.assert_close(ours_logits[1, :5], alone[0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["1 KV head", "2 KV heads of 4"])
@@ -125,9 +128,8 @@ def test_explicit_position_ids_equal_transformers(variant):
     one_based = torch.arange(1, 8)[None]  # PaliGemma's positions start at 1
     with_a_gap = torch.tensor([[0, 1, 2, 10, 11, 12, 13]])
     left_padded = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
-    from_mask = (left_padded.cumsum(-1) - 1).clamp(
-        min=0
-    )  # [[0, 0, 0, 0, 1, 2, 3], [0, ..., 6]]
+    # [[0, 0, 0, 0, 1, 2, 3], [0, ..., 6]]
+    from_mask = (left_padded.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         default = ours(input_ids).logits
         for positions in [one_based, with_a_gap, one_based.expand(2, 7)]:
@@ -135,27 +137,23 @@ def test_explicit_position_ids_equal_transformers(variant):
             theirs = reference(input_ids=input_ids, position_ids=positions).logits
             assert (logits - theirs).abs().max().item() <= 1e-4
             if positions is with_a_gap:
-                assert not torch.allclose(
-                    logits, default, atol=1e-3
-                )  # the positions are used...
+                # The positions are used...
+                assert not torch.allclose(logits, default, atol=1e-3)
             else:
-                torch.testing.assert_close(
-                    logits, default, atol=1e-4, rtol=1e-4
-                )  # ...and only their differences
+                # ...and only their differences.
+                torch.testing.assert_close(logits, default, atol=1e-4, rtol=1e-4)
         ours_left = ours(
             input_ids, attention_mask=left_padded, position_ids=from_mask
         ).logits
         theirs_left = reference(
             input_ids=input_ids, attention_mask=left_padded, position_ids=from_mask
         ).logits
-        alone = ours(
-            input_ids[:1, 3:]
-        ).logits  # the left-padded sequence without its padding
+        # The left-padded sequence without its padding.
+        alone = ours(input_ids[:1, 3:]).logits
     real = left_padded.bool()
     assert (ours_left - theirs_left)[real].abs().max().item() <= 1e-4
-    torch.testing.assert_close(
-        ours_left[0, 3:], alone[0], atol=1e-4, rtol=1e-4
-    )  # padding changes nothing
+    # Padding changes nothing.
+    torch.testing.assert_close(ours_left[0, 3:], alone[0], atol=1e-4, rtol=1e-4)
 
 
 def test_4d_mask_equals_2d_mask():
@@ -170,9 +168,8 @@ def test_4d_mask_equals_2d_mask():
         torch.testing.assert_close(
             ours(input_ids, attention_mask=mask_4d).logits, from_2d, rtol=0, atol=0
         )
-        with_inf = mask_4d.masked_fill(
-            mask_4d < 0, float("-inf")
-        )  # -inf is clamped to the finite minimum
+        # -inf is clamped to the finite minimum.
+        with_inf = mask_4d.masked_fill(mask_4d < 0, float("-inf"))
         torch.testing.assert_close(
             ours(input_ids, attention_mask=with_inf).logits, from_2d, rtol=0, atol=0
         )
@@ -186,12 +183,10 @@ def test_half_precision_has_no_nan_with_a_fully_masked_row(dtype):
         3, 512, (2, 6), generator=torch.Generator().manual_seed(4)
     )
     left_padded = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    assert (
-        make_causal_mask(left_padded, 6, dtype)[0, 0, 0] < 0
-    ).all()  # query 0 sees no key
-    float32_mask = make_causal_mask(
-        left_padded, 6, torch.float32
-    )  # its minimum is -inf in float16
+    # Query 0 sees no key.
+    assert (make_causal_mask(left_padded, 6, dtype)[0, 0, 0] < 0).all()
+    # Its minimum is -inf in float16.
+    float32_mask = make_causal_mask(left_padded, 6, torch.float32)
     with torch.no_grad():
         for mask in [left_padded, float32_mask]:
             logits = ours(input_ids, attention_mask=mask).logits
@@ -221,9 +216,8 @@ def test_cache_hooks_give_the_same_logits_as_one_pass():
         steps = [
             ours(input_ids[:, :5], attention_mask=mask[:, :5], kv_cache=cache).logits
         ]
-        for t in range(
-            5, 8
-        ):  # then one token at a time; positions continue from the cache's length
+        # Then one token at a time; positions continue from the cache's length.
+        for t in range(5, 8):
             steps.append(
                 ours(
                     input_ids[:, t : t + 1],
@@ -235,7 +229,7 @@ def test_cache_hooks_give_the_same_logits_as_one_pass():
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
 
 
-# ---- the model's structure ------------------------------------------------------------------------------
+# ---- the model's structure -----------------------------------------------------------
 
 
 def test_state_dict_names_equal_transformers_and_head_is_tied():
@@ -336,11 +330,12 @@ def test_clear_errors_for_mismatched_batch_positions_and_dtypes():
         model(inputs_embeds=model.model.embed(ids).bfloat16())
     with pytest.raises(ValueError, match=r"expected \[batch, seq, 64\]"):
         model(inputs_embeds=torch.zeros(2, 3, 32))
-    model(ids, position_ids=torch.arange(1, 4)[None])  # [1, S] and [B, S] are both fine
+    # [1, S] and [B, S] are both fine.
+    model(ids, position_ids=torch.arange(1, 4)[None])
     model(ids, position_ids=torch.arange(1, 4).expand(2, 3))
 
 
-# ---- building blocks ------------------------------------------------------------------------------------
+# ---- building blocks -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -418,16 +413,16 @@ def test_rope_scores_depend_only_on_distance_and_norms_are_kept():
 
 
 def test_rotate_half_is_the_interleaved_rotation_after_a_permutation():
-    D, m = 16, 7
-    inv_freq = rope_inv_freq(D).double()
-    x = torch.randn(D, dtype=torch.float64)
+    d_h, m = 16, 7
+    inv_freq = rope_inv_freq(d_h).double()
+    x = torch.randn(d_h, dtype=torch.float64)
     interleaved = x.clone()  # pairs (2i, 2i + 1) rotated by m * inv_freq[i]
     c, s = torch.cos(m * inv_freq), torch.sin(m * inv_freq)
     interleaved[0::2], interleaved[1::2] = (
         x[0::2] * c - x[1::2] * s,
         x[1::2] * c + x[0::2] * s,
     )
-    perm = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])
+    perm = torch.cat([torch.arange(0, d_h, 2), torch.arange(1, d_h, 2)])
     cos, sin = torch.cat([c, c]), torch.cat([s, s])
     torch.testing.assert_close(
         x[perm] * cos + rotate_half(x[perm]) * sin, interleaved[perm]
@@ -463,7 +458,7 @@ def test_repeat_kv_equals_repeat_interleave_and_broadcasting():
 
 
 @pytest.mark.parametrize(
-    "variant", ["1 KV head", "2 KV heads of 4", "head_dim 32 != 64/4"]
+    "variant", ["1 KV head", "2 KV heads of 4", "d_h 32 != D/H = 64/4"]
 )
 def test_attention_equals_transformers(variant):
     config = tiny(**VARIANTS[variant])
@@ -501,10 +496,13 @@ def test_masks():
         make_causal_mask(torch.ones(1, 4), 2, torch.float32, past_length=3)
 
 
-# ---- configuration --------------------------------------------------------------------------------------
+# ---- configuration -------------------------------------------------------------------
 
 
 def test_text_config_defaults_are_paligemma_3b():
+    # A transcription, typed by hand, of the "text_config" section of config.json in the
+    # Hub repository google/paligemma-3b-pt-224 (main branch); chapter 5 checks it
+    # against the real file when one is present.
     hub_text_config = {
         "hidden_size": 2048,
         "intermediate_size": 16384,
@@ -530,9 +528,7 @@ def test_text_config_round_trips_through_transformers():
             assert getattr(theirs, name) == value, name
     assert TextConfig.from_hf(config.to_hf()) == config
     assert TextConfig.from_hf(theirs.to_dict()) == config
-    old_spelling = {
-        k: v for k, v in asdict(config).items()
-    }  # top-level rope_theta, no rope_parameters
+    old_spelling = asdict(config)  # top-level rope_theta, no rope_parameters
     assert (
         TextConfig.from_hf(
             {**old_spelling, "hidden_act": "gelu", "hidden_activation": None}
@@ -543,7 +539,8 @@ def test_text_config_round_trips_through_transformers():
         TextConfig.from_hf({**old_spelling, "hidden_activation": "gelu_pytorch_tanh"})
         == config
     )
-    # hidden_activation wins over hidden_act: with them disagreeing, only the override can pass
+    # hidden_activation wins over hidden_act: when they disagree, only the override
+    # can pass
     assert (
         TextConfig.from_hf(
             {
@@ -628,3 +625,49 @@ def test_text_config_refuses_other_model_types_naming_gemma_2(text_config):
         == TextConfig.from_hf({})
         == TextConfig()
     )
+
+
+# ---- positions ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shift", [1, 5, 100])
+def test_positions_shifted_by_a_constant_give_the_same_logits(shift):
+    "big_vision counts from 0, transformers from 1: RoPE sees only m - n"
+    _, ours = reference_and_ours(tiny(num_key_value_heads=2))
+    input_ids = torch.randint(
+        3, 512, (2, 7), generator=torch.Generator().manual_seed(8)
+    )
+    positions = torch.arange(7)[None]
+    with torch.no_grad():
+        start = ours(input_ids, position_ids=positions).logits
+        shifted = ours(input_ids, position_ids=positions + shift).logits
+        uneven = positions.clone()
+        uneven[0, 4:] += shift  # only some positions moved: a different model input
+        moved = ours(input_ids, position_ids=uneven).logits
+    # float32 angles of positions up to ~100 round to ~1e-5 rad; logits are ~10.
+    torch.testing.assert_close(shifted, start, atol=1e-4, rtol=1e-4)
+    assert (moved - start).abs().max() > 1e-2
+
+
+def test_left_padding_counted_or_skipped_in_positions_gives_the_same_logits():
+    _, ours = reference_and_ours(tiny())
+    input_ids = torch.randint(
+        3, 512, (2, 7), generator=torch.Generator().manual_seed(9)
+    )
+    left_padded = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    counting = torch.arange(7)[None].expand(2, 7)
+    skipping = (left_padded.cumsum(-1) - 1).clamp(min=0)
+    real = left_padded.bool()
+    with torch.no_grad():
+        a = ours(input_ids, attention_mask=left_padded, position_ids=counting).logits
+        b = ours(input_ids, attention_mask=left_padded, position_ids=skipping).logits
+    torch.testing.assert_close(a[real], b[real], atol=1e-4, rtol=1e-4)
+
+
+def test_from_hf_and_to_hf_are_methods_of_text_config_not_module_exports():
+    import paligemma_lib.config as config_module
+
+    assert isinstance(TextConfig.__dict__["from_hf"], classmethod)
+    assert TextConfig.from_hf(TextConfig().to_hf()) == TextConfig()
+    assert "from_hf" not in config_module.__all__
+    assert "to_hf" not in config_module.__all__
