@@ -16,24 +16,26 @@ from .config import VisionConfig
 
 
 def check_pixel_values(pixel_values: torch.Tensor, config: VisionConfig):
-    "Raise a clear error unless `pixel_values` is [B, num_channels, image_size, image_size]"
+    "A clear error unless `pixel_values` is [B, num_channels, image_size, image_size]"
     expected = (config.num_channels, config.image_size, config.image_size)
     if not pixel_values.is_floating_point():
         raise ValueError(
-            f"pixel_values has dtype {pixel_values.dtype}; expected floats normalised to [-1, 1] "
-            f"(raw 0..255 pixels would give meaningless features): "
-            f"paligemma_lib.processing.process_images(images, image_size={config.image_size}) makes them"
+            f"pixel_values has dtype {pixel_values.dtype}; expected floats normalised "
+            f"to [-1, 1] (raw 0..255 pixels would give meaningless features): "
+            f"paligemma_lib.processing.process_images(images, "
+            f"image_size={config.image_size}) makes them"
         )
     if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
         raise ValueError(
-            f"pixel_values has shape {list(pixel_values.shape)}; expected [batch, {', '.join(map(str, expected))}] "
-            f"for this model (image_size={config.image_size}). "
-            f"paligemma_lib.processing.process_images(images, image_size={config.image_size}) makes them"
+            f"pixel_values has shape {list(pixel_values.shape)}; expected "
+            f"[batch, {', '.join(map(str, expected))}] for this model "
+            f"(image_size={config.image_size}). paligemma_lib.processing."
+            f"process_images(images, image_size={config.image_size}) makes them"
         )
 
 
 class SiglipVisionEmbeddings(nn.Module):
-    "Patch embedding (a Conv2d with stride = kernel = patch_size) plus learned position embeddings"
+    "Patch embedding (a Conv2d, stride = kernel = patch_size) + position embeddings"
 
     def __init__(self, config: VisionConfig):
         super().__init__()
