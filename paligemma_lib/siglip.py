@@ -64,27 +64,30 @@ import torch.nn.functional as F
 
 # %% ../book/02_attention.ipynb #c012
 def explicit_attention(query, key, value, attn_mask=None, dropout_p=0.0, scale=None):
-    """Attention written out; returns (output [B, H, Q, d], weights [B, H, Q, K]).
-    Same arguments, and the same numbers as `F.scaled_dot_product_attention` for an additive float
-    `attn_mask` (0 = attend, very negative = blocked); a boolean mask is refused."""
+    """Attention written out: (output [B, H, S, d_h], weights [B, H, S, S_k]) for S
+    queries and S_k keys. Same arguments and numbers as `F.scaled_dot_product_attention`
+    with an additive float `attn_mask` (0 = attend, very negative = blocked); a boolean
+    mask is refused."""
     if attn_mask is not None and not attn_mask.is_floating_point():
         raise ValueError(
-            f"attn_mask has dtype {attn_mask.dtype}; explicit_attention adds the mask to the scores, so it must be "
-            f"additive floats (0 where attention is allowed, torch.finfo(dtype).min where not). For a boolean "
-            f"'may attend' mask use torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)"
+            f"attn_mask has dtype {attn_mask.dtype}; explicit_attention adds the mask "
+            f"to the scores, so it must be additive floats (0 where attention is "
+            f"allowed, torch.finfo(dtype).min where not). For a boolean 'may attend' "
+            f"mask use torch.zeros(allowed.shape, dtype=dtype)"
+            f".masked_fill(~allowed, torch.finfo(dtype).min)"
         )
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    scores = (query @ key.transpose(-2, -1)) * scale  # [B, H, Q, K]
+    scores = (query @ key.transpose(-2, -1)) * scale  # [B, H, S, S_k]
     if attn_mask is not None:
         scores = scores + attn_mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
-    return weights @ value, weights  # [B, H, Q, d], [B, H, Q, K]
+    return weights @ value, weights  # [B, H, S, d_h], [B, H, S, S_k]
 
 # %% ../book/02_attention.ipynb #c026
 class SiglipAttention(nn.Module):
-    "Multi-head self-attention over all positions (no mask), with the checkpoint's module names"
+    "Multi-head self-attention over all positions (no mask); the checkpoint's names"
 
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -98,12 +101,12 @@ class SiglipAttention(nn.Module):
         self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, hidden_states: torch.Tensor, output_attentions: bool = False):
-        "[B, N, D] -> ([B, N, D], weights [B, H, N, N] if `output_attentions` else None)"
+        "[B, N, D] -> ([B, N, D], weights [B, H, N, N] if `output_attentions`, or None)"
         B, N, D = hidden_states.shape
         q, k, v = (
             proj(hidden_states)
             .view(B, N, self.num_heads, self.head_dim)
-            .transpose(1, 2)  # [B, H, N, d]
+            .transpose(1, 2)  # [B, H, N, d_h]
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         dropout_p = self.dropout if self.training else 0.0
@@ -118,7 +121,7 @@ class SiglipAttention(nn.Module):
                 ),
                 None,
             )
-        out = out.transpose(1, 2).reshape(B, N, D)  # [B, H, N, d] -> [B, N, H * d]
+        out = out.transpose(1, 2).reshape(B, N, D)  # [B, H, N, d_h] -> [B, N, D]
         return self.out_proj(out), weights
 
 # %% ../book/02_attention.ipynb #c032
@@ -131,9 +134,8 @@ class SiglipMLP(nn.Module):
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.fc2(
-            F.gelu(self.fc1(hidden_states), approximate="tanh")
-        )  # [B, N, D] -> [B, N, D]
+        # [B, N, D] -> [B, N, intermediate_size] -> [B, N, D]
+        return self.fc2(F.gelu(self.fc1(hidden_states), approximate="tanh"))
 
 # %% ../book/02_attention.ipynb #c035
 class SiglipEncoderLayer(nn.Module):
