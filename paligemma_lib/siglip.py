@@ -171,7 +171,8 @@ class SiglipEncoder(nn.Module):
         )
 
     def forward(self, inputs_embeds: torch.Tensor, output_attentions: bool = False):
-        "[B, N, D] -> ([B, N, D], one [B, H, N, N] weight tensor per layer if `output_attentions` else None)"
+        """[B, N, D] -> ([B, N, D], one [B, H, N, N] weight tensor per layer if
+        `output_attentions`, else None)"""
         hidden_states, attentions = inputs_embeds, []
         for layer in self.layers:
             hidden_states, weights = layer(hidden_states, output_attentions)
@@ -183,7 +184,7 @@ class SiglipEncoder(nn.Module):
 class SiglipVisionOutput:
     "What the vision tower returns"
 
-    last_hidden_state: torch.Tensor  # [B, num_image_tokens, hidden_size]
+    last_hidden_state: torch.Tensor  # [B, N, D]
     attentions: tuple | None = None  # one [B, H, N, N] per layer, when asked for
 
 
@@ -202,7 +203,7 @@ class SiglipVisionTransformer(nn.Module):
     def forward(
         self, pixel_values: torch.Tensor, output_attentions: bool = False
     ) -> SiglipVisionOutput:
-        "pixel_values [B, C, image_size, image_size] -> last_hidden_state [B, num_image_tokens, hidden_size]"
+        "pixel_values [B, C, image_size, image_size] -> last_hidden_state [B, N, D]"
         hidden_states, attentions = self.encoder(
             self.embeddings(pixel_values), output_attentions
         )
@@ -210,7 +211,8 @@ class SiglipVisionTransformer(nn.Module):
 
 
 class SiglipVisionModel(nn.Module):
-    "The SigLIP vision tower without a head, as PaliGemma uses it; parameters are named `vision_model.*`"
+    """The SigLIP vision tower without a head, as PaliGemma uses it; its parameters
+    are named `vision_model.*`"""
 
     def __init__(self, config: VisionConfig):
         super().__init__()
