@@ -11,14 +11,15 @@ from dataclasses import asdict, dataclass, fields
 
 
 def known_fields(cls, d: dict) -> dict:
-    "The entries of `d` that are fields of the dataclass `cls` (a config.json holds many others)"
+    "The entries of `d` that are fields of the dataclass `cls` (config.json has others)"
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in d.items() if k in names}
 
 
 @dataclass
 class VisionConfig:
-    "SigLIP vision tower settings, named as in a PaliGemma config.json; defaults are PaliGemma-3B-224's"
+    """SigLIP vision tower settings, named as in a PaliGemma config.json;
+    the defaults are PaliGemma-3B-224's"""
 
     hidden_size: int = 1152
     intermediate_size: int = 4304
@@ -34,17 +35,20 @@ class VisionConfig:
     def __post_init__(self):
         if self.image_size % self.patch_size:
             raise ValueError(
-                f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}: "
-                f"the patches would not tile the image; choose sizes that divide exactly"
+                f"image_size {self.image_size} is not a multiple of patch_size "
+                f"{self.patch_size}: the patches would not tile the image; "
+                f"choose sizes that divide exactly"
             )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                f"{self.num_attention_heads}; every head needs the same width"
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}; "
+                f"every head needs the same width"
             )
         if self.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(
-                f"hidden_act {self.hidden_act!r}: only SigLIP's 'gelu_pytorch_tanh' is implemented"
+                f"hidden_act {self.hidden_act!r}: only SigLIP's 'gelu_pytorch_tanh' "
+                f"is implemented"
             )
 
     @property
@@ -53,12 +57,12 @@ class VisionConfig:
 
     @property
     def num_image_tokens(self) -> int:
-        "Patches per image, which is also the number of image tokens the language model sees"
+        "N: patches per image, also the number of image tokens the language model sees"
         return self.num_patches_per_side**2
 
     @classmethod
     def from_hf(cls, d: dict) -> "VisionConfig":
-        "From the `vision_config` dict of a Hugging Face config.json (other keys are ignored)"
+        "From the `vision_config` of a Hugging Face config.json (other keys ignored)"
         return cls(**known_fields(cls, d))
 
     def to_hf(self) -> dict:

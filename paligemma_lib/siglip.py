@@ -17,24 +17,26 @@ from .config import VisionConfig
 
 
 def check_pixel_values(pixel_values: torch.Tensor, config: VisionConfig):
-    "Raise a clear error unless `pixel_values` is [B, num_channels, image_size, image_size]"
+    "A clear error unless `pixel_values` is [B, num_channels, image_size, image_size]"
     expected = (config.num_channels, config.image_size, config.image_size)
     if not pixel_values.is_floating_point():
         raise ValueError(
-            f"pixel_values has dtype {pixel_values.dtype}; expected floats normalised to [-1, 1] "
-            f"(raw 0..255 pixels would give meaningless features): "
-            f"paligemma_lib.processing.process_images(images, image_size={config.image_size}) makes them"
+            f"pixel_values has dtype {pixel_values.dtype}; expected floats normalised "
+            f"to [-1, 1] (raw 0..255 pixels would give meaningless features): "
+            f"paligemma_lib.processing.process_images(images, "
+            f"image_size={config.image_size}) makes them"
         )
     if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
         raise ValueError(
-            f"pixel_values has shape {list(pixel_values.shape)}; expected [batch, {', '.join(map(str, expected))}] "
-            f"for this model (image_size={config.image_size}). "
-            f"paligemma_lib.processing.process_images(images, image_size={config.image_size}) makes them"
+            f"pixel_values has shape {list(pixel_values.shape)}; expected "
+            f"[batch, {', '.join(map(str, expected))}] for this model "
+            f"(image_size={config.image_size}). paligemma_lib.processing."
+            f"process_images(images, image_size={config.image_size}) makes them"
         )
 
 
 class SiglipVisionEmbeddings(nn.Module):
-    "Patch embedding (a Conv2d with stride = kernel = patch_size) plus learned position embeddings"
+    "Patch embedding (a Conv2d, stride = kernel = patch_size) + position embeddings"
 
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -63,27 +65,30 @@ import torch.nn.functional as F
 
 # %% ../book/02_attention.ipynb #c012
 def explicit_attention(query, key, value, attn_mask=None, dropout_p=0.0, scale=None):
-    """Attention written out; returns (output [B, H, Q, d], weights [B, H, Q, K]).
-    Same arguments, and the same numbers as `F.scaled_dot_product_attention` for an additive float
-    `attn_mask` (0 = attend, very negative = blocked); a boolean mask is refused."""
+    """Attention written out: (output [B, H, S, d_h], weights [B, H, S, S_k]) for S
+    queries and S_k keys. Same arguments and numbers as `F.scaled_dot_product_attention`
+    with an additive float `attn_mask` (0 = attend, very negative = blocked); a boolean
+    mask is refused."""
     if attn_mask is not None and not attn_mask.is_floating_point():
         raise ValueError(
-            f"attn_mask has dtype {attn_mask.dtype}; explicit_attention adds the mask to the scores, so it must be "
-            f"additive floats (0 where attention is allowed, torch.finfo(dtype).min where not). For a boolean "
-            f"'may attend' mask use torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)"
+            f"attn_mask has dtype {attn_mask.dtype}; explicit_attention adds the mask "
+            f"to the scores, so it must be additive floats (0 where attention is "
+            f"allowed, torch.finfo(dtype).min where not). For a boolean 'may attend' "
+            f"mask use torch.zeros(allowed.shape, dtype=dtype)"
+            f".masked_fill(~allowed, torch.finfo(dtype).min)"
         )
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    scores = (query @ key.transpose(-2, -1)) * scale  # [B, H, Q, K]
+    scores = (query @ key.transpose(-2, -1)) * scale  # [B, H, S, S_k]
     if attn_mask is not None:
         scores = scores + attn_mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
-    return weights @ value, weights  # [B, H, Q, d], [B, H, Q, K]
+    return weights @ value, weights  # [B, H, S, d_h], [B, H, S, S_k]
 
 # %% ../book/02_attention.ipynb #c026
 class SiglipAttention(nn.Module):
-    "Multi-head self-attention over all positions (no mask), with the checkpoint's module names"
+    "Multi-head self-attention over all positions (no mask); the checkpoint's names"
 
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -97,12 +102,12 @@ class SiglipAttention(nn.Module):
         self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, hidden_states: torch.Tensor, output_attentions: bool = False):
-        "[B, N, D] -> ([B, N, D], weights [B, H, N, N] if `output_attentions` else None)"
+        "[B, N, D] -> ([B, N, D], weights [B, H, N, N] if `output_attentions`, or None)"
         B, N, D = hidden_states.shape
         q, k, v = (
             proj(hidden_states)
             .view(B, N, self.num_heads, self.head_dim)
-            .transpose(1, 2)  # [B, H, N, d]
+            .transpose(1, 2)  # [B, H, N, d_h]
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         dropout_p = self.dropout if self.training else 0.0
@@ -117,7 +122,7 @@ class SiglipAttention(nn.Module):
                 ),
                 None,
             )
-        out = out.transpose(1, 2).reshape(B, N, D)  # [B, H, N, d] -> [B, N, H * d]
+        out = out.transpose(1, 2).reshape(B, N, D)  # [B, H, N, d_h] -> [B, N, D]
         return self.out_proj(out), weights
 
 # %% ../book/02_attention.ipynb #c032
@@ -130,9 +135,8 @@ class SiglipMLP(nn.Module):
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.fc2(
-            F.gelu(self.fc1(hidden_states), approximate="tanh")
-        )  # [B, N, D] -> [B, N, D]
+        # [B, N, D] -> [B, N, intermediate_size] -> [B, N, D]
+        return self.fc2(F.gelu(self.fc1(hidden_states), approximate="tanh"))
 
 # %% ../book/02_attention.ipynb #c035
 class SiglipEncoderLayer(nn.Module):
@@ -168,7 +172,8 @@ class SiglipEncoder(nn.Module):
         )
 
     def forward(self, inputs_embeds: torch.Tensor, output_attentions: bool = False):
-        "[B, N, D] -> ([B, N, D], one [B, H, N, N] weight tensor per layer if `output_attentions` else None)"
+        """[B, N, D] -> ([B, N, D], one [B, H, N, N] weight tensor per layer if
+        `output_attentions`, else None)"""
         hidden_states, attentions = inputs_embeds, []
         for layer in self.layers:
             hidden_states, weights = layer(hidden_states, output_attentions)
@@ -180,7 +185,7 @@ class SiglipEncoder(nn.Module):
 class SiglipVisionOutput:
     "What the vision tower returns"
 
-    last_hidden_state: torch.Tensor  # [B, num_image_tokens, hidden_size]
+    last_hidden_state: torch.Tensor  # [B, N, D]
     attentions: tuple | None = None  # one [B, H, N, N] per layer, when asked for
 
 
@@ -199,7 +204,7 @@ class SiglipVisionTransformer(nn.Module):
     def forward(
         self, pixel_values: torch.Tensor, output_attentions: bool = False
     ) -> SiglipVisionOutput:
-        "pixel_values [B, C, image_size, image_size] -> last_hidden_state [B, num_image_tokens, hidden_size]"
+        "pixel_values [B, C, image_size, image_size] -> last_hidden_state [B, N, D]"
         hidden_states, attentions = self.encoder(
             self.embeddings(pixel_values), output_attentions
         )
@@ -207,7 +212,8 @@ class SiglipVisionTransformer(nn.Module):
 
 
 class SiglipVisionModel(nn.Module):
-    "The SigLIP vision tower without a head, as PaliGemma uses it; parameters are named `vision_model.*`"
+    """The SigLIP vision tower without a head, as PaliGemma uses it; its parameters
+    are named `vision_model.*`"""
 
     def __init__(self, config: VisionConfig):
         super().__init__()

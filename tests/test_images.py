@@ -149,9 +149,8 @@ def test_conv_patch_embedding_equals_unfold_and_linear():
     with torch.no_grad():
         conv.weight.copy_(linear.weight.view(24, 3, 14, 14))
         conv.bias.copy_(linear.bias)
-    unfolded = nn.functional.unfold(x, kernel_size=14, stride=14).transpose(
-        1, 2
-    )  # [B, 9, 588]
+    # [B, 3 * 14 * 14, N] -> [B, N, 588], N = 9 patches
+    unfolded = nn.functional.unfold(x, kernel_size=14, stride=14).transpose(1, 2)
     torch.testing.assert_close(
         conv(x).flatten(2).transpose(1, 2), linear(unfolded), atol=1e-5, rtol=1e-5
     )
@@ -221,9 +220,8 @@ def test_embeddings_in_bfloat16():
         hidden_size=8, num_attention_heads=2, image_size=28, patch_size=14
     )
     layer = SiglipVisionEmbeddings(config).to(torch.bfloat16)
-    out = layer(
-        torch.randn(1, 3, 28, 28)
-    )  # float32 pixels are cast to the layer's dtype
+    # float32 pixels are cast to the layer's dtype
+    out = layer(torch.randn(1, 3, 28, 28))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
 
 
@@ -242,3 +240,95 @@ def test_embeddings_reject_raw_integer_pixels():
     )
     with pytest.raises(ValueError, match="torch.uint8.*process_images"):
         SiglipVisionEmbeddings(config)(torch.zeros(1, 3, 28, 28, dtype=torch.uint8))
+
+
+def bilinear_half_pixel(image, out_h, out_w):
+    "tf.image.resize's bilinear rule (half-pixel centres, no antialias), float64"
+
+    def taps(n_in, n_out):
+        x = (torch.arange(n_out, dtype=torch.float64) + 0.5) * n_in / n_out - 0.5
+        lower = x.floor().clamp(min=0).long()
+        upper = x.ceil().clamp(max=n_in - 1).long()
+        return lower, upper, x - x.floor()
+
+    (y0, y1, ly), (x0, x1, lx) = (
+        taps(image.shape[1], out_h),
+        taps(image.shape[2], out_w),
+    )
+    image = image.double()
+    top, bottom = image[:, y0], image[:, y1]
+    top = top[:, :, x0] + (top[:, :, x1] - top[:, :, x0]) * lx
+    bottom = bottom[:, :, x0] + (bottom[:, :, x1] - bottom[:, :, x0]) * lx
+    return top + (bottom - top) * ly[:, None]  # [C, out_h, out_w]
+
+
+@pytest.mark.parametrize("size", [28, 56, 120])  # shrink, shrink, enlarge (90 x 60)
+def test_bilinear_is_the_half_pixel_rule_truncated_to_uint8(size):
+    image = scene()
+    exact = bilinear_half_pixel(
+        torch.from_numpy(np.asarray(image, dtype=np.float64)).permute(2, 0, 1),
+        size,
+        size,
+    )
+    pixels = process_images(image, image_size=size, resample="bilinear")[0]
+    levels = (pixels.double() + 1) * 255 / 2
+    torch.testing.assert_close(levels, exact.floor(), atol=1e-4, rtol=0)
+    assert pixels.min() >= -1 and pixels.max() <= 1
+
+
+def test_bilinear_does_not_antialias():
+    board = Image.fromarray(((np.indices((60, 60)).sum(0) % 2) * 255).astype(np.uint8))
+    bilinear = process_images(board, image_size=20, resample="bilinear")
+    bicubic = process_images(board, image_size=20)
+    assert set(bilinear.unique().tolist()) == {-1.0, 1.0}  # samples: aliased
+    assert bicubic[..., 2:-2, 2:-2].abs().max() < 0.1  # Pillow filters to grey
+
+
+def test_default_resample_is_bicubic_and_unchanged():
+    images = [scene(), scene(45, 80)]
+    default = process_images(images, image_size=28)
+    torch.testing.assert_close(
+        default,
+        process_images(images, image_size=28, resample="bicubic"),
+        rtol=0,
+        atol=0,
+    )
+    assert not torch.equal(
+        default, process_images(images, image_size=28, resample="bilinear")
+    )
+
+
+@pytest.mark.parametrize("resample", ["nearest", "BICUBIC", "lanczos", None])
+def test_unknown_resample_is_a_clear_error(resample):
+    with pytest.raises(ValueError, match="'bicubic'.*'bilinear'"):
+        process_images(scene(), resample=resample)
+
+
+def test_sixteen_bit_is_the_reference_on_the_scaled_8_bit_image():
+    from transformers import SiglipImageProcessorPil
+
+    reference = SiglipImageProcessorPil(size={"height": 56, "width": 56})
+    gray8 = np.asarray(scene(mode="L"))
+    gray16 = Image.fromarray(gray8.astype(np.uint16) * 257)
+    theirs = reference(images=[Image.fromarray(gray8)], return_tensors="np")
+    torch.testing.assert_close(
+        process_images(gray16, image_size=56),
+        torch.from_numpy(theirs["pixel_values"]),
+        atol=1e-6,
+        rtol=0,
+    )
+
+
+def test_sixteen_bit_differs_from_the_reference_exactly_where_it_clips():
+    from transformers import SiglipImageProcessorPil
+
+    reference = SiglipImageProcessorPil(size={"height": 28, "width": 28})
+    samples = np.asarray(scene(28, 28, mode="L")).astype(np.uint16) * 257
+    samples[:5, :5] = 0  # 0 needs no clipping: the two agree there
+    theirs = reference(images=[Image.fromarray(samples)], return_tensors="np")
+    theirs = torch.from_numpy(theirs["pixel_values"])[0, 0]
+    ours = process_images(Image.fromarray(samples), image_size=28)[0, 0]
+    clipped = torch.from_numpy(samples > 255)
+    assert 0 < clipped.float().mean() < 1
+    assert torch.equal((ours - theirs).abs() > 1e-6, clipped)
+    assert (theirs[clipped] == 1).all()  # clipped to white

@@ -1,4 +1,5 @@
-"""The SigLIP vision tower (chapters 2 and 3) against transformers' SiglipVisionModel and PyTorch's kernels."""
+"""The SigLIP vision tower (chapters 2 and 3) against transformers'
+SiglipVisionModel and PyTorch's kernels."""
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def reference_model(config, attn_implementation="sdpa"):
 
 
 def with_prefix(state_dict, prefix="vision_model."):
-    "transformers 5 keeps no `vision_model.` level in SiglipVisionModel; the checkpoints and we do"
+    "Add the `vision_model.` level that checkpoints have and transformers 5 drops"
     return {k if k.startswith(prefix) else prefix + k: v for k, v in state_dict.items()}
 
 
@@ -175,9 +176,8 @@ def test_wrong_pixel_shape_names_both_shapes(shape, words):
     with pytest.raises(ValueError) as info:
         model(torch.zeros(shape))
     assert words in str(info.value) and "[batch, 3, 56, 56]" in str(info.value)
-    assert "process_images" in str(info.value) and "image_size=56" in str(
-        info.value
-    )  # how to make the right one
+    # and how to make the right one
+    assert "process_images" in str(info.value) and "image_size=56" in str(info.value)
 
 
 def test_full_config_shapes_and_parameter_count_on_meta():
@@ -197,11 +197,10 @@ def test_full_config_shapes_and_parameter_count_on_meta():
 @pytest.mark.parametrize("masked", [False, True])
 def test_explicit_attention_equals_sdpa(dtype, masked):
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(3, 2, 3, 7, 10, generator=g).to(dtype)  # [B, H, N, d]
+    q, k, v = torch.randn(3, 2, 3, 7, 10, generator=g).to(dtype)  # [B, H, N, d_h]
     mask = None
-    if (
-        masked
-    ):  # additive, finfo.min where not allowed; the last query row is fully masked
+    if masked:
+        # additive, finfo.min where not allowed; the last query row is fully masked
         allowed = torch.ones(7, 7, dtype=torch.bool).tril()
         allowed[-1] = False
         mask = torch.zeros(1, 1, 7, 7, dtype=dtype).masked_fill(
@@ -219,9 +218,8 @@ def test_explicit_attention_equals_sdpa(dtype, masked):
 
 
 def test_explicit_attention_refuses_a_boolean_mask():
-    q, k, v = torch.randn(
-        3, 1, 2, 4, 8, generator=torch.Generator().manual_seed(0)
-    )  # [B, H, N, d]
+    # [B, H, N, d_h]
+    q, k, v = torch.randn(3, 1, 2, 4, 8, generator=torch.Generator().manual_seed(0))
     allowed = torch.ones(4, 4, dtype=torch.bool).tril()
     additive = torch.zeros(4, 4).masked_fill(~allowed, torch.finfo(torch.float32).min)
     # SDPA reads True as "may attend", which is the additive mask's meaning, not "+1"
@@ -245,6 +243,5 @@ def test_attention_module_paths_agree_and_dropout_only_in_training():
     assert none is None and weights.shape == (2, 4, 9, 9)
     torch.testing.assert_close(fused, explicit)
     attention.train()
-    assert not torch.allclose(
-        attention(x)[0], fused
-    )  # dropout on the weights while training
+    # dropout on the weights while training
+    assert not torch.allclose(attention(x)[0], fused)
