@@ -105,6 +105,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                        'paligemma_lib/generation.py'),
                                           'paligemma_lib.generation.DecodingLinear.forward': ( 'kv_cache_and_generation.html#decodinglinear.forward',
                                                                                                'paligemma_lib/generation.py'),
+                                          'paligemma_lib.generation._buffers': ( 'kv_cache_and_generation.html#_buffers',
+                                                                                 'paligemma_lib/generation.py'),
                                           'paligemma_lib.generation._check_greedy': ( 'kv_cache_and_generation.html#_check_greedy',
                                                                                       'paligemma_lib/generation.py'),
                                           'paligemma_lib.generation._check_prompts': ( 'kv_cache_and_generation.html#_check_prompts',
