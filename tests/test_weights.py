@@ -559,3 +559,88 @@ def test_draw_boxes():
         (100, 60)
     ) == (255, 255, 255)
     assert image.getpixel((51, 50)) == (255, 255, 255)  # the input is not drawn on
+
+
+def make_hub_cache(cache, repo="models--google--paligemma-3b-pt-224"):
+    """A fake Hugging Face cache holding a tiny random PaliGemma saved by transformers,
+    with chapter 6's tokenizer, laid out as snapshot_download leaves it"""
+    from paligemma_lib.processing import (
+        GemmaTokenizer,
+        PaliGemmaProcessor,
+        default_tokenizer_path,
+    )
+
+    tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
+    config = tiny_config()
+    config.text.vocab_size = len(tokenizer)
+    config.image_token_index = tokenizer.image_token_id
+    torch.manual_seed(0)
+    model = transformers.PaliGemmaForConditionalGeneration(
+        transformers.PaliGemmaConfig(**config.to_hf())
+    ).eval()
+    commits = {"main": "1" * 40, "bfloat16": "2" * 40}
+    for branch, commit in commits.items():
+        snapshot = cache / repo / "snapshots" / commit
+        model.save_pretrained(snapshot)
+        PaliGemmaProcessor(
+            tokenizer,
+            image_size=config.vision.image_size,
+            num_image_tokens=config.num_image_tokens,
+        ).save_pretrained(snapshot)
+        (cache / repo / "refs").mkdir(parents=True, exist_ok=True)
+        (cache / repo / "refs" / branch).write_text(commit)
+    return {branch: cache / repo / "snapshots" / c for branch, c in commits.items()}
+
+
+def chapter_cell(cell_id, notebook="book/09_loading_real_weights.ipynb"):
+    "The source of one code cell of a chapter, to run the chapter's own code here"
+    root = Path(__file__).resolve().parents[1]
+    cells = json.loads((root / notebook).read_text())["cells"]
+    return "".join(next(c["source"] for c in cells if c.get("id") == cell_id))
+
+
+def test_finder_and_comparison_on_a_fake_hub_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("PALIGEMMA_WEIGHTS", raising=False)
+    assert find_real_checkpoint() is None
+    snapshots = make_hub_cache(cache)
+    assert find_real_checkpoint() == snapshots["bfloat16"]  # refs/bfloat16 first
+    (snapshots["bfloat16"] / "tokenizer.model").unlink()  # an incomplete download
+    assert find_real_checkpoint() == snapshots["main"]
+    monkeypatch.setenv("PALIGEMMA_WEIGHTS", str(snapshots["main"]))
+    assert find_real_checkpoint() == snapshots["main"]
+
+    namespace = {}
+    exec(chapter_cell("c046c"), namespace)  # the chapter's comparison, as it is
+    ours, theirs, our_tokens, their_tokens = namespace["compare_with_transformers"](
+        find_real_checkpoint(), max_new_tokens=4
+    )
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert torch.equal(our_tokens, their_tokens) and our_tokens.shape[0] == 2
+
+
+@pytest.mark.parametrize(
+    "capability, stored, asked, expected",
+    [
+        ((7, 5), "BF16", None, torch.float32),  # T4: no native bf16
+        ((7, 0), "BF16", None, torch.float32),  # V100
+        ((8, 0), "BF16", None, torch.bfloat16),  # A100 and later
+        ((7, 5), "BF16", "bf16", torch.bfloat16),  # asked for: as asked
+        ((7, 5), "BF16", "fp16", torch.float16),
+        ((7, 5), "F32", None, torch.float32),
+        ((7, 5), "F16", None, torch.float16),
+    ],
+)
+def test_default_dtype_on_a_gpu_without_native_bf16(
+    monkeypatch, capability, stored, asked, expected
+):
+    from paligemma_lib.weights import has_native_bf16, resolve_dtype
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_capability", lambda device=None: capability
+    )
+    cuda = torch.device("cuda")
+    assert has_native_bf16(cuda) == (capability >= (8, 0))
+    assert resolve_dtype(asked, stored, cuda) == expected
+    assert resolve_dtype(None, "BF16", torch.device("cpu")) == torch.bfloat16
