@@ -5,10 +5,10 @@
         --text-layers 6 --load-as bf16
 
 The first makes the checkpoint in the folder once (random weights, Hub layout:
-config.json and one model.safetensors), then measures. It is written tensor by tensor, so
-making it needs about 1 GB of memory. `--file-dtype` picks the stored dtype (bf16, as the
-Hub's `bfloat16` branch, or fp32, as its `main` branch); `--text-layers` keeps the full
-widths and fewer decoder layers, so that a float32 file fits a smaller machine;
+config.json and one model.safetensors), then measures. It is written tensor by tensor,
+so making it needs about 1 GB of memory. `--file-dtype` picks the stored dtype (bf16,
+as the Hub's `bfloat16` branch, or fp32, as its `main` branch); `--text-layers` keeps
+the full widths and fewer decoder layers, so that a float32 file fits a smaller machine;
 `--load-as` asks load_pretrained for a dtype (default: as stored).
 
 The loading runs in a fresh subprocess, which then reads every parameter (so that all of
@@ -26,7 +26,8 @@ Measured on the 2-core, 24 GiB development machine (torch 2.13 CPU, safetensors 
   `--load-as fp32`: peak 6.74 GB = the file + 0.33 GB, 1.05 x the file (after reading:
   6.51 GB file-backed, 0.23 GB anonymous).
   `--load-as bf16`: load_pretrained 6.7 s; peak 9.94 GB = the file + 3.53 GB, 1.55 x the
-  file; after loading RSS 3.54 GB (0.10 GB file-backed, 3.43 GB anonymous: the bf16 copy).
+  file; after loading RSS 3.54 GB (0.10 GB file-backed, 3.43 GB anonymous: the bf16
+  copy).
 """
 
 import argparse

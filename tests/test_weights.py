@@ -1,7 +1,7 @@
-"""Chapter 9: loading HF PaliGemma checkpoints in every key spelling, strict errors, and saving for transformers."""
+"""Chapter 9: loading HF PaliGemma checkpoints in every key spelling, strict errors, and
+saving for transformers."""
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -116,7 +116,7 @@ def write_state(state, folder, config_json, shards=1):
 
 
 def write_checkpoint(theirs, folder, spelling, sharded):
-    "The transformers model saved in one of the three key spellings, as one file or as shards"
+    "The transformers model saved in one of the three key spellings, one file or shards"
     if spelling == "transformers5":
         theirs.save_pretrained(folder, max_shard_size="40kB" if sharded else "5GB")
         assert (folder / "model.safetensors.index.json").is_file() == sharded
@@ -179,7 +179,8 @@ def test_key_map():
 
 
 def hub_layout(config: PaliGemmaConfig) -> dict:
-    "Tensor names and shapes of a PaliGemma checkpoint on the Hub (transformers 4.x names), written out by hand"
+    """Tensor names and shapes of a PaliGemma checkpoint on the Hub (transformers 4.x
+    names), written out by hand"""
     v, t = config.vision, config.text
     shapes = {
         "vision_tower.vision_model.embeddings.patch_embedding.weight": (
@@ -418,22 +419,30 @@ def break_checkpoint(theirs, folder, how):
 
 
 BROKEN = {
-    "missing_shard": r"lists 3 shard files but 1 of them are not in .*is the download complete",
-    "missing_layer": r"no tensor for language_model\.model\.layers\.1\.\S+ \(2 layers expected by config\.json, "
+    "missing_shard": r"lists 3 shard files but 1 of them are not in "
+    r".*is the download complete",
+    "missing_layer": r"no tensor for language_model\.model\.layers\.1\.\S+ "
+    r"\(2 layers expected by config\.json, "
     r"the files hold 1\); is the download complete\?",
-    "extra_layer": r"tensor language_model\.model\.layers\.1\.\S+ \(in model\.safetensors\) has no place",
+    "extra_layer": r"tensor language_model\.model\.layers\.1\.\S+ "
+    r"\(in model\.safetensors\) has no place",
     "unknown_tensor": r"not part of PaliGemma, e\.g\. text_model\.head\.weight",
-    "wrong_shape": r"multi_modal_projector\.linear\.bias in model\.safetensors has shape \[47\], but config\.json "
+    "wrong_shape": r"multi_modal_projector\.linear\.bias in model\.safetensors "
+    r"has shape \[47\], but config\.json "
     r"implies \[48\]",
-    "two_spellings": r"model\.language_model\.norm\.weight .* two spellings of language_model\.model\.norm\.weight",
+    "two_spellings": r"model\.language_model\.norm\.weight .* "
+    r"two spellings of language_model\.model\.norm\.weight",
     "untied_head": r"lm_head\.weight differs from its embedding table",
-    "pickle": r"pytorch_model\.bin, a pickle checkpoint; only safetensors .*\.save_pretrained",
+    "pickle": r"pytorch_model\.bin, a pickle checkpoint; "
+    r"only safetensors .*\.save_pretrained",
     "no_weights": r"no model\.safetensors or model\.safetensors\.index\.json",
     "no_config": r"not a PaliGemma checkpoint: it has no config\.json",
     "damaged_file": r"model\.safetensors is not a readable safetensors file",
-    "truncated": r"model\.safetensors is truncated: its header promises (\d+) bytes, the file has \d+; "
+    "truncated": r"model\.safetensors is truncated: its header promises (\d+) bytes, "
+    r"the file has \d+; "
     r"is the download complete\?",
-    "trailing_bytes": r"model\.safetensors has 10 bytes after the data its header describes",
+    "trailing_bytes": r"model\.safetensors has 10 bytes after the data "
+    r"its header describes",
     "bad_config": r"config\.json does not describe .*num_key_value_heads 3",
 }
 
@@ -456,7 +465,7 @@ def test_truncated_file_names_both_sizes(theirs, tmp_path):
 
 
 def test_a_stored_lm_head_is_compared_as_stored_and_never_converted(theirs, tmp_path):
-    "A head that differs from the embedding below bfloat16's precision is still a different head"
+    "A head differing from the embedding below bfloat16's precision is another head"
     folder = write_checkpoint(
         theirs, tmp_path / "ckpt", "in_memory", False
     )  # holds lm_head.weight, equal to the table
@@ -498,7 +507,8 @@ def mapped_ranges(path: Path) -> list[tuple[int, int]]:
     not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps"
 )
 def test_loading_in_the_stored_dtype_makes_no_second_copy(theirs, tmp_path):
-    "A float32 parameter loaded as stored lies inside the mapping of model.safetensors; a converted one does not"
+    """A float32 parameter loaded as stored lies inside the mapping of
+    model.safetensors; a converted one does not"""
     folder = write_checkpoint(theirs, tmp_path / "ckpt", "hub", False)
     file = folder / "model.safetensors"
     model = load_pretrained(folder)
