@@ -1,33 +1,38 @@
-"""Greedy generation speed: paligemma_lib's generate against transformers' generate, side by side.
+"""Greedy generation speed: paligemma_lib's generate beside transformers'.
 
-A benchmark, not a test. For each config it builds a transformers PaliGemma with random weights,
-saves it, loads the saved weights into ours, checks both generate the same tokens, then times
-greedy generation of the same left-padded prompts, alternating the two, after a warm-up, and
-prints medians. Run from the repository root:
+A benchmark, not a test. For each config it builds a transformers PaliGemma with random
+weights, saves it, loads the saved weights into ours, checks both generate the same
+tokens, then times greedy generation of the same left-padded prompts, alternating the
+two, after a warm-up, and prints medians. Run from the repository root:
 
-    python benchmarks/generate.py               # both configs (about 5 minutes on a 2-core CPU)
-    python benchmarks/generate.py --only mid    # or --only 3b: one config
+    python benchmarks/generate.py             # both configs (5 min on 2 CPU cores)
+    python benchmarks/generate.py --only mid  # or --only 3b: one config
 
-Measured on the 2-core CPU of the book's build machine (torch 2.13.0, transformers 5.23.0), tokens/s,
-`generate` with its defaults (inside `decoding_linears(model)` on the CPU):
+Measured on the 2-core CPU of the book's build machine (torch 2.13.0, transformers
+5.23.0), tokens/s, `generate` with its defaults (inside `decoding_linears(model)` on the
+CPU); the last column is ours with decoding_linears=False against transformers:
 
-    config                      batch  ours   transformers  ratio  (ours with decoding_linears=False)
+    config                      batch  ours   transformers  ratio  (nn.Linear)
     mid (512 wide, 4 layers)      1    194.3  109.8         1.77x  (1.05x)
     mid (512 wide, 4 layers)      4    387.8  266.0         1.46x  (1.08x)
-    3B widths, 2+2 layers         1    6.4    5.6           1.16x  (prefill, compute-bound and identical, is ~1/4 of the time)
+    3B widths, 2+2 layers         1    6.4    5.6           1.16x
     3B widths, 2+2 layers         4    12.1   7.1           1.70x
 
-The cache against recomputing every step (ours, mid config): 7.5x at batch 1, 9.7x at batch 4.
-Same tokens as transformers in every row. Earlier runs of the 3B-width config gave 1.17x and 1.21x at
-batch 1: at that size a decoding step streams the 2.1 GB float32 LM head from memory (about 104 ms a
-step for ours, 132 ms for transformers), so the margin is bounded by memory bandwidth.
+(At 3B widths and batch 1, prefill, compute-bound and identical, is ~1/4 of the time.)
+The cache against recomputing every step (ours, mid config): 7.5x at batch 1, 9.7x at
+batch 4. Same tokens as transformers in every row. Earlier runs of the 3B-width config
+gave 1.17x and 1.21x at batch 1: at that size a decoding step streams the 2.1 GB float32
+LM head from memory (about 104 ms a step for ours, 132 ms for transformers), so the
+margin is bounded by memory bandwidth.
 
-Does the single-row route (one row given twice to the matrix-matrix kernel) earn its place? `--only mid
---repeats 5`, two quiet runs back to back: as the library is, 198.4 tok/s at batch 1 (1.79x transformers;
-1.08x with decoding_linears=False) and 1.52x at batch 4; with the transposed route restricted to 2-16 rows
-(a single row through F.linear), 115.7 tok/s at batch 1 (1.06x) and 1.52x at batch 4. So it stays. On a
-busy machine (other jobs on the same 2 cores) one run gave 0.70x at batch 1 with the single-row route and
-1.06x with plain nn.Linear in the same run: measure on a quiet machine.
+Does the single-row route (one row given twice to the matrix-matrix kernel) earn its
+place? `--only mid --repeats 5`, two quiet runs back to back: as the library is,
+198.4 tok/s at batch 1 (1.79x transformers; 1.08x with decoding_linears=False) and 1.52x
+at batch 4; with the transposed route restricted to 2-16 rows (a single row through
+F.linear), 115.7 tok/s at batch 1 (1.06x) and 1.52x at batch 4. So it stays. On a busy
+machine (other jobs on the same 2 cores) one run gave 0.70x at batch 1 with the
+single-row route and 1.06x with plain nn.Linear in the same run: measure on a quiet
+machine.
 """
 
 import argparse
@@ -77,7 +82,8 @@ CONFIGS = {
 
 
 def prompts(config, batch_size, seed=0):
-    "Left-padded prompts of different lengths: image tokens, <bos>, 8 to 20 random tokens, newline"
+    """Left-padded prompts of different lengths: image tokens, <bos>, 8 to 20 random
+    tokens, newline"""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(8, 21, (batch_size,), generator=g).tolist()
     seqs = [
@@ -102,7 +108,7 @@ def prompts(config, batch_size, seed=0):
 
 
 def build(config, folder):
-    "A random transformers model, saved to `folder`, and ours loaded from the saved file"
+    "A random transformers model, saved to `folder`, and ours loaded from that file"
     torch.manual_seed(0)
     theirs = transformers.PaliGemmaForConditionalGeneration(
         transformers.PaliGemmaConfig(**config.to_hf())
@@ -148,10 +154,10 @@ def timed(fn):
 
 
 def compare(ours, theirs, inputs, repeats, extras):
-    "Alternate ours and theirs (and the extras) `repeats` times after a warm-up; median seconds per run"
-    same = torch.equal(
-        run_ours(ours, inputs), run_theirs(theirs, inputs)
-    )  # (also the warm-up)
+    """Alternate ours and theirs (and the extras) `repeats` times after a warm-up;
+    median seconds per run"""
+    # (also the warm-up)
+    same = torch.equal(run_ours(ours, inputs), run_theirs(theirs, inputs))
     runs = {
         "ours": lambda: run_ours(ours, inputs),
         "theirs": lambda: run_theirs(theirs, inputs),
@@ -175,8 +181,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     print(
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
-        f"greedy, {NEW_TOKENS} new tokens, median of {args.repeats} alternating runs after a warm-up"
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{torch.get_num_threads()} threads, greedy, {NEW_TOKENS} new tokens, "
+        f"median of {args.repeats} alternating runs after a warm-up"
     )
     for index, (name, config) in enumerate(CONFIGS.items()):
         if args.only and args.only != ("mid", "3b")[index]:
@@ -189,13 +196,16 @@ def main():
                 same, t = compare(ours, theirs, inputs, repeats, extras=index == 0)
                 rate = {k: batch_size * NEW_TOKENS / v for k, v in t.items()}
                 line = (
-                    f"{name} | batch {batch_size} | ours {rate['ours']:7.1f} tok/s | transformers "
-                    f"{rate['theirs']:7.1f} tok/s | ours/transformers {rate['ours'] / rate['theirs']:.2f}x"
+                    f"{name} | batch {batch_size} | ours {rate['ours']:7.1f} tok/s | "
+                    f"transformers {rate['theirs']:7.1f} tok/s | "
+                    f"ours/transformers {rate['ours'] / rate['theirs']:.2f}x"
                 )
                 if "ours, no cache" in rate:
                     line += (
-                        f" | ours with nn.Linear {rate['ours, nn.Linear'] / rate['theirs']:.2f}x transformers"
-                        f" | ours cache/no-cache {rate['ours'] / rate['ours, no cache']:.1f}x"
+                        f" | ours with nn.Linear "
+                        f"{rate['ours, nn.Linear'] / rate['theirs']:.2f}x transformers"
+                        f" | ours cache/no-cache "
+                        f"{rate['ours'] / rate['ours, no cache']:.1f}x"
                     )
                 print(line + f" | same tokens: {same}", flush=True)
             del ours, theirs

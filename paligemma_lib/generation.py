@@ -17,25 +17,22 @@ from .processing import PaliGemmaProcessor
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c023
 def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    "Keep the `top_k` largest logits of each row (ties at the k-th value kept too); the others become -inf"
+    "Keep the `top_k` largest logits per row (ties at the k-th kept); the rest -> -inf"
     kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]  # [B, 1]
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    "Keep the fewest most likely tokens whose probabilities sum to at least `top_p`; the others become -inf"
-    if (
-        top_p >= 1.0
-    ):  # everything: a float32 cumsum over a large vocabulary can reach 1.0 before its end
+    "Keep the fewest most likely tokens whose probabilities reach `top_p`; rest -> -inf"
+    # everything: a float32 cumsum over a large vocabulary can reach 1.0 before its end
+    if top_p >= 1.0:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
     probs = sorted_logits.softmax(-1)
-    mass_before = (
-        probs.cumsum(-1) - probs
-    )  # [B, V]: probability of the tokens ranked above
-    drop_sorted = (
-        mass_before >= top_p
-    )  # the first token has mass_before 0, so it is always kept
+    # [B, V]: probability of the tokens ranked above
+    mass_before = probs.cumsum(-1) - probs
+    # the first token has mass_before 0, so it is always kept
+    drop_sorted = mass_before >= top_p
     drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
     return logits.masked_fill(drop, float("-inf"))
 
@@ -43,7 +40,8 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def _check_sampling(temperature, top_k, top_p):
     if not temperature > 0:
         raise ValueError(
-            f"temperature={temperature}: it must be > 0 (for the most likely token use do_sample=False)"
+            f"temperature={temperature}: it must be > 0 "
+            f"(for the most likely token use do_sample=False)"
         )
     if top_k is not None and top_k < 1:
         raise ValueError(
@@ -63,7 +61,7 @@ def next_token(
     top_p: float = None,
     generator: torch.Generator = None,
 ) -> torch.Tensor:
-    "Logits [B, V] -> token ids [B]: the argmax, or a sample after temperature, top-k and top-p"
+    "Logits [B, V] -> token ids [B]: the argmax, or a sample (temperature, top-k/p)"
     if not do_sample:
         return logits.argmax(-1)
     _check_sampling(temperature, top_k, top_p)
@@ -76,21 +74,19 @@ def next_token(
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c035
 class DecodingLinear(nn.Linear):
-    "nn.Linear that computes (W x^T)^T for up to `max_rows` rows: the same numbers, a faster BLAS kernel on CPU"
+    "nn.Linear computing (W x^T)^T for up to `max_rows` rows: a faster CPU kernel"
 
     max_rows = 16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, in]
         M = rows.shape[0]
-        if (
-            M > self.max_rows or x.device.type != "cpu"
-        ):  # a CPU library's quirk: elsewhere, the usual product
+        # a CPU library's quirk: elsewhere, the usual product
+        if M > self.max_rows or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         if M == 1:
-            rows = torch.cat(
-                [rows, rows]
-            )  # two columns: the matrix-matrix kernel, faster than matrix-vector
+            # two columns: the matrix-matrix kernel, faster than matrix-vector
+            rows = torch.cat([rows, rows])
         out = torch.mm(self.weight, rows.t())[:, :M].t()  # [M, out]
         if self.bias is not None:
             out = out + self.bias
@@ -99,7 +95,8 @@ class DecodingLinear(nn.Linear):
 
 @contextmanager
 def decoding_linears(model: PaliGemmaForConditionalGeneration):
-    "Within the block, every nn.Linear of the language model (LM head included) is a DecodingLinear with the same Parameters"
+    """Within the block, every nn.Linear of the language model (LM head included) is a
+    DecodingLinear holding the same Parameters"""
     swapped = []  # (parent module, attribute name, original nn.Linear)
     try:
         for parent in list(model.language_model.modules()):
@@ -120,33 +117,37 @@ def decoding_linears(model: PaliGemmaForConditionalGeneration):
             setattr(parent, name, original)
 
 
-_decoding_linears = decoding_linears  # inside generate, its argument of the same name hides this function
+# inside generate, its argument of the same name hides this function
+_decoding_linears = decoding_linears
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c037
 def _check_prompts(
     input_ids, pixel_values, attention_mask, token_type_ids, max_new_tokens
 ):
+    "Raise a ValueError for prompts that generate cannot continue"
     if input_ids.ndim != 2:
         raise ValueError(
-            f"input_ids has shape {list(input_ids.shape)}; expected [batch, prompt length]"
+            f"input_ids has shape {list(input_ids.shape)}; "
+            f"expected [batch, prompt length]"
         )
     if (
         attention_mask.shape != input_ids.shape
         or token_type_ids.shape != input_ids.shape
     ):
         raise ValueError(
-            f"attention_mask {list(attention_mask.shape)} and token_type_ids {list(token_type_ids.shape)} "
-            f"must have the shape of input_ids {list(input_ids.shape)}"
+            f"attention_mask {list(attention_mask.shape)} and token_type_ids "
+            f"{list(token_type_ids.shape)} must have the shape of input_ids "
+            f"{list(input_ids.shape)}"
         )
     if pixel_values is None or pixel_values.shape[0] != input_ids.shape[0]:
         raise ValueError(
-            f"PaliGemma needs one image per prompt: pixel_values [batch, 3, H, W] with batch = "
-            f"{input_ids.shape[0]}"
+            f"PaliGemma needs one image per prompt: pixel_values [batch, 3, H, W] "
+            f"with batch = {input_ids.shape[0]}"
         )
     if not bool(attention_mask[:, -1].all()):
         raise ValueError(
-            "a prompt ends with padding: prompts for generation must be padded on the left "
-            "(PaliGemmaProcessor does so when no suffixes are given)"
+            "a prompt ends with padding: prompts for generation must be padded on the "
+            "left (PaliGemmaProcessor does so when no suffixes are given)"
         )
     if max_new_tokens < 1:
         raise ValueError(
@@ -154,33 +155,49 @@ def _check_prompts(
         )
 
 
+def _check_greedy(do_sample, temperature, top_k, top_p):
+    "Refuse sampling settings that greedy decoding would silently ignore"
+    if not do_sample and (temperature != 1.0 or top_k is not None or top_p is not None):
+        raise ValueError(
+            f"temperature={temperature}, top_k={top_k} and top_p={top_p} shape a "
+            f"sample, but do_sample=False takes the most likely token: pass "
+            f"do_sample=True to sample (or leave them at their defaults)"
+        )
+
+
 def _new_cache(model, cache: str, batch_size: int, max_length: int):
     "The KV cache object for `cache` ('static', 'dynamic' or 'none')"
     if cache == "static":
-        dtype, device = (
-            model.language_model.lm_head.weight.dtype,
-            model.language_model.lm_head.weight.device,
-        )
+        weight = model.language_model.lm_head.weight
         return StaticKVCache(
-            model.config.text, batch_size, max_length, dtype=dtype, device=device
+            model.config.text,
+            batch_size,
+            max_length,
+            dtype=weight.dtype,
+            device=weight.device,
         )
     if cache == "dynamic":
         return DynamicKVCache(model.config.text.num_hidden_layers)
     if cache == "none":
         return None
     raise ValueError(
-        f"cache={cache!r}: use 'static' (preallocated), 'dynamic' (grows) or 'none' (recompute)"
+        f"cache={cache!r}: use 'static' (preallocated), 'dynamic' (grows) "
+        f"or 'none' (recompute)"
     )
 
+
+def _buffers(input_ids, attention_mask, token_type_ids, max_new_tokens, pad_token_id):
+    "ids, mask and types [B, S + max_new_tokens]: the prompt's, then room for the new"
+    B, S = input_ids.shape
+    ids = input_ids.new_full((B, S + max_new_tokens), pad_token_id)
+    ids[:, :S] = input_ids
+    mask = attention_mask.new_ones((B, S + max_new_tokens))  # new tokens are real...
+    mask[:, :S] = attention_mask
+    types = token_type_ids.new_ones((B, S + max_new_tokens))  # ...and suffix: causal
+    types[:, :S] = token_type_ids
+    return ids, mask, types
+
 # %% ../book/08_kv_cache_and_generation.ipynb #c038
-def _check_greedy(do_sample, temperature, top_k, top_p):
-    if not do_sample and (temperature != 1.0 or top_k is not None or top_p is not None):
-        raise ValueError(
-            f"temperature={temperature}, top_k={top_k} and top_p={top_p} shape a sample, but do_sample=False "
-            f"takes the most likely token: pass do_sample=True to sample (or leave them at their defaults)"
-        )
-
-
 @torch.inference_mode()
 def generate(
     model: PaliGemmaForConditionalGeneration,
@@ -199,39 +216,28 @@ def generate(
     cache: str = "static",
     decoding_linears: bool = True,
 ) -> torch.Tensor:
-    """Generate after left-padded prompts; returns only the new tokens [B, T], T <= max_new_tokens.
-    A row that emits `eos_token_id` (Gemma's `<eos>`, 1; None: never stop) is finished: it is dropped from the batch
-    and its later tokens are `pad_token_id`. With `decoding_linears` the loop runs inside `decoding_linears(model)`,
-    which leaves the model as it was."""
-    B, S = input_ids.shape
-    attention_mask = (
-        torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    )
-    token_type_ids = (
-        torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-    )
+    """Generate after left-padded prompts; returns only the new tokens [B, T],
+    T <= max_new_tokens. A row that emits `eos_token_id` (Gemma's `<eos>`, 1; None:
+    never stop) is finished: it leaves the batch and its later tokens are
+    `pad_token_id`. With `decoding_linears` the loop runs inside
+    `decoding_linears(model)`, which leaves the model as it was."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if token_type_ids is None:
+        token_type_ids = torch.zeros_like(input_ids)
     _check_prompts(
         input_ids, pixel_values, attention_mask, token_type_ids, max_new_tokens
     )
     if do_sample:
         _check_sampling(temperature, top_k, top_p)
     _check_greedy(do_sample, temperature, top_k, top_p)
-    max_length = S + max_new_tokens
-    kv_cache = _new_cache(model, cache, B, max_length)
-    ids = input_ids.new_full(
-        (B, max_length), pad_token_id
-    )  # [B, S + T]: prompt, then the new tokens
-    ids[:, :S] = input_ids
-    mask = attention_mask.new_ones((B, max_length))  # new tokens are real tokens...
-    mask[:, :S] = attention_mask
-    types = token_type_ids.new_ones((B, max_length))  # ...and suffix: causal
-    types[:, :S] = token_type_ids
-    positions = mask[:, :S].sum(
-        -1, keepdim=True
-    )  # [B, 1]: the last prompt token's 1-based position
-    rows = torch.arange(
-        B, device=input_ids.device
-    )  # the output row of each row still generating
+    B, S = input_ids.shape
+    kv_cache = _new_cache(model, cache, B, S + max_new_tokens)
+    ids, mask, types = _buffers(
+        input_ids, attention_mask, token_type_ids, max_new_tokens, pad_token_id
+    )
+    positions = attention_mask.sum(-1, keepdim=True)  # [B, 1]: last prompt token's
+    rows = torch.arange(B, device=input_ids.device)  # output row of each running row
 
     with _decoding_linears(model) if decoding_linears else nullcontext():
         logits = model(
@@ -243,31 +249,25 @@ def generate(
             logits_to_keep=1,
         ).logits[:, -1]  # prefill: [B, V]
         for t in range(max_new_tokens):
-            token = next_token(
-                logits, do_sample, temperature, top_k, top_p, generator
-            )  # [b]
-            ids[rows, S + t] = token
-            if t == max_new_tokens - 1:
+            token = next_token(logits, do_sample, temperature, top_k, top_p, generator)
+            ids[rows, S + t] = token  # [b]: one per running row
+            running = (
+                token != eos_token_id
+                if eos_token_id is not None
+                else torch.ones_like(token, dtype=torch.bool)
+            )
+            if t == max_new_tokens - 1 or not running.any():
                 break
-            if eos_token_id is not None:
-                running = token != eos_token_id
-                if not bool(running.all()):
-                    if not bool(running.any()):
-                        break
-                    keep = running.nonzero().squeeze(-1)
-                    rows, token, mask, types, positions, pixel_values = (
-                        rows[keep],
-                        token[keep],
-                        mask[keep],
-                        types[keep],
-                        positions[keep],
-                        pixel_values[keep],
-                    )
-                    if kv_cache is not None:
-                        kv_cache.select_rows(keep)
+            if not running.all():  # finished rows leave the batch
+                keep = running.nonzero().squeeze(-1)
+                rows, token, mask, types, positions, pixel_values = (
+                    x[keep] for x in (rows, token, mask, types, positions, pixel_values)
+                )
+                if kv_cache is not None:
+                    kv_cache.select_rows(keep)
             length = S + t + 1  # tokens so far, the new one included
             positions = positions + 1
-            if kv_cache is None:
+            if kv_cache is None:  # the reference: everything again, image included
                 logits = model(
                     ids[rows, :length],
                     pixel_values,
@@ -283,9 +283,8 @@ def generate(
                     position_ids=positions,
                     kv_cache=kv_cache,
                 ).logits[:, -1]
-    return ids[
-        :, S : S + t + 1
-    ]  # [B, T]; a finished row's later columns were never written: padding
+    # [B, T]; a finished row's later columns were never written: padding
+    return ids[:, S : S + t + 1]
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c059
 def answer(
@@ -295,7 +294,8 @@ def answer(
     prompts,
     **kw,
 ):
-    "Images and prompts -> the generated answers as strings (one string for a single prompt string); `kw` go to generate"
+    """Images and prompts -> the generated answers as strings (one string for a single
+    prompt string); `kw` go to generate"""
     single = isinstance(prompts, str)
     batch = processor([images] if single else images, [prompts] if single else prompts)
     dtype = model.language_model.lm_head.weight.dtype

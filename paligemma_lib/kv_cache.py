@@ -13,7 +13,7 @@ from .config import TextConfig
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c013
 class DynamicKVCache:
-    "Per-layer keys and values [B, KV, S, D] that grow by concatenation (simple; copies everything at each step)"
+    "Per-layer keys and values [B, K, S, d_h], grown by concatenation (copied per step)"
 
     def __init__(self, num_layers: int):
         self.keys, self.values = [None] * num_layers, [None] * num_layers
@@ -23,7 +23,7 @@ class DynamicKVCache:
         return 0 if self.keys[layer_idx] is None else self.keys[layer_idx].shape[-2]
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-        "Append the new key/value [B, KV, S_new, D]; return all so far [B, KV, past + S_new, D]"
+        "Add k/v [B, K, S_new, d_h]; return all so far [B, K, S_past + S_new, d_h]"
         if self.keys[layer_idx] is not None:
             key = torch.cat([self.keys[layer_idx], key], dim=-2)
             value = torch.cat([self.values[layer_idx], value], dim=-2)
@@ -37,7 +37,7 @@ class DynamicKVCache:
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c017
 class StaticKVCache:
-    "Keys and values preallocated for `max_length` positions; steps write in place and get views of the filled part"
+    "Keys and values allocated once for `max_length` positions; update returns views"
 
     def __init__(
         self,
@@ -47,15 +47,10 @@ class StaticKVCache:
         dtype=torch.float32,
         device=None,
     ):
-        config = getattr(
-            config, "text", config
-        )  # a PaliGemmaConfig's decoder settings, or a TextConfig
-        shape = (
-            batch_size,
-            config.num_key_value_heads,
-            max_length,
-            config.head_dim,
-        )  # [B, KV, max_length, D]
+        # a PaliGemmaConfig's decoder settings, or a TextConfig
+        config = getattr(config, "text", config)
+        # [B, K, max_length, d_h]
+        shape = (batch_size, config.num_key_value_heads, max_length, config.head_dim)
         self.keys = [
             torch.zeros(shape, dtype=dtype, device=device)
             for _ in range(config.num_hidden_layers)
@@ -72,13 +67,14 @@ class StaticKVCache:
         return self.lengths[layer_idx]
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-        "Write the new key/value [B, KV, S_new, D] after the filled part; return views [B, KV, past + S_new, D]"
+        "Write key/value [B, K, S_new, d_h] in place; return views of all so far"
         start = self.lengths[layer_idx]
         end = start + key.shape[-2]
         if end > self.max_length:
             raise ValueError(
-                f"the cache holds {self.max_length} positions and {start} are filled; {key.shape[-2]} "
-                f"more do not fit: build it with max_length >= prompt length + max_new_tokens"
+                f"the cache holds {self.max_length} positions and {start} are filled; "
+                f"{key.shape[-2]} more do not fit: build it with "
+                f"max_length >= prompt length + max_new_tokens"
             )
         self.keys[layer_idx][:, :, start:end] = key
         self.values[layer_idx][:, :, start:end] = value

@@ -4,8 +4,9 @@
 __all__ = ['KEY_MAP', 'EMBEDDING', 'LM_HEAD', 'SINGLE_FILE', 'INDEX_FILE', 'DTYPES',
            'BOX_COLOURS', 'CheckpointError', 'read_safetensors_header',
            'our_name', 'checkpoint_files', 'stored_tensors', 'check_tensors',
-           'resolve_dtype', 'resolve_device', 'check_tied_head',
-           'read_tensors', 'load_pretrained', 'save_pretrained',
+           'has_native_bf16', 'resolve_dtype', 'resolve_device',
+           'check_tied_head', 'read_tensors', 'load_pretrained',
+           'save_pretrained', 'hub_cache', 'cached_snapshots',
            'find_real_checkpoint', 'draw_boxes']
 
 # %% ../book/09_loading_real_weights.ipynb #c003
@@ -26,11 +27,12 @@ from .processing import to_rgb
 
 # %% ../book/09_loading_real_weights.ipynb #c014
 class CheckpointError(ValueError):
-    "A checkpoint folder that cannot be loaded as asked: the message names the file or tensor at fault"
+    "A checkpoint that cannot be loaded as asked: the message names the file or tensor"
 
 
 def read_safetensors_header(path) -> dict:
-    "The JSON header of a .safetensors file: tensor name -> {'dtype', 'shape', 'data_offsets'} (and '__metadata__')"
+    """The JSON header of a .safetensors file: tensor name -> {'dtype', 'shape',
+    'data_offsets'} (and '__metadata__')"""
     path = Path(path)
     file_size = path.stat().st_size
     with open(path, "rb") as f:
@@ -54,35 +56,42 @@ def read_safetensors_header(path) -> dict:
     promised = 8 + size + data_end
     if promised > file_size:
         raise CheckpointError(
-            f"{path} is truncated: its header promises {promised} bytes, the file has {file_size}; "
+            f"{path} is truncated: its header promises {promised} bytes, "
+            f"the file has {file_size}; "
             f"is the download complete?"
         )
     if promised < file_size:
         raise CheckpointError(
-            f"{path} has {file_size - promised} bytes after the data its header describes; "
+            f"{path} has {file_size - promised} bytes after the data its header "
+            f"describes; "
             f"the file is damaged: download it again"
         )
     return header
 
 # %% ../book/09_loading_real_weights.ipynb #c021
-KEY_MAP = {  # prefix in a file or state dict -> prefix of our parameter name (the Hub files' spelling)
-    "vision_tower.vision_model.": "vision_tower.vision_model.",  # Hub files (transformers 4.x)
+# prefix in a file or state dict -> prefix of our name (the Hub files' spelling)
+KEY_MAP = {
+    # Hub files (transformers 4.x)
+    "vision_tower.vision_model.": "vision_tower.vision_model.",
     "vision_tower.": "vision_tower.vision_model.",  # files saved by transformers 5
-    "model.vision_tower.vision_model.": "vision_tower.vision_model.",  # transformers 4.5x, in memory
+    # transformers 4.5x, in memory
+    "model.vision_tower.vision_model.": "vision_tower.vision_model.",
     "model.vision_tower.": "vision_tower.vision_model.",  # transformers 5, in memory
     "multi_modal_projector.": "multi_modal_projector.",
     "model.multi_modal_projector.": "multi_modal_projector.",
-    "language_model.model.": "language_model.model.",  # Hub files and transformers 5 files
+    # Hub files and transformers 5 files
+    "language_model.model.": "language_model.model.",
     "model.language_model.": "language_model.model.",  # transformers 5, in memory
     "language_model.lm_head.": "language_model.lm_head.",
     "lm_head.": "language_model.lm_head.",  # transformers 5, in memory
 }
 EMBEDDING = "language_model.model.embed_tokens.weight"
-LM_HEAD = "language_model.lm_head.weight"  # tied: the embedding table itself, often absent from files
+# tied: the embedding table itself, often absent from files
+LM_HEAD = "language_model.lm_head.weight"
 
 
 def our_name(key: str) -> str | None:
-    "A tensor name in any spelling of KEY_MAP -> our parameter name; None for a name no spelling knows"
+    "A tensor name in any spelling of KEY_MAP -> our parameter name; None if unknown"
     prefix = max((p for p in KEY_MAP if key.startswith(p)), key=len, default=None)
     return None if prefix is None else KEY_MAP[prefix] + key[len(prefix) :]
 
@@ -91,13 +100,14 @@ SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
 
 def checkpoint_files(folder) -> list[Path]:
-    "The safetensors files of a checkpoint folder: model.safetensors, or the shards its index lists"
+    "The safetensors files of a folder: model.safetensors, or its index's shards"
     folder = Path(folder)
     if not folder.exists():
         raise FileNotFoundError(f"no checkpoint folder at {folder}")
     if not folder.is_dir():
         raise NotADirectoryError(
-            f"{folder} is a file; pass the checkpoint folder (config.json, model.safetensors)"
+            f"{folder} is a file; pass the checkpoint folder "
+            f"(config.json, model.safetensors)"
         )
     if not (folder / "config.json").is_file():
         raise CheckpointError(
@@ -106,7 +116,8 @@ def checkpoint_files(folder) -> list[Path]:
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
     if single.is_file() and index.is_file():
         raise CheckpointError(
-            f"{folder} holds both {SINGLE_FILE} and {INDEX_FILE}, two checkpoints in one folder; "
+            f"{folder} holds both {SINGLE_FILE} and {INDEX_FILE}, "
+            f"two checkpoints in one folder; "
             f"remove the one that is stale"
         )
     if single.is_file():
@@ -118,8 +129,10 @@ def checkpoint_files(folder) -> list[Path]:
         missing = [s for s in shards if not (folder / s).is_file()]
         if not shards or missing:
             raise CheckpointError(
-                f"{index} lists {len(shards)} shard files but {len(missing)} of them are not in "
-                f"{folder} (e.g. {missing[:1] or 'none listed'}); is the download complete?"
+                f"{index} lists {len(shards)} shard files but {len(missing)} of them "
+                f"are not in "
+                f"{folder} (e.g. {missing[:1] or 'none listed'}); "
+                f"is the download complete?"
             )
         return [folder / s for s in shards]
     pickles = sorted(
@@ -127,17 +140,22 @@ def checkpoint_files(folder) -> list[Path]:
     )
     if pickles:
         raise CheckpointError(
-            f"{folder} holds {pickles[0]}, a pickle checkpoint; only safetensors are loaded (unpickling runs code "
-            f"from the file). Convert it once with transformers: PaliGemmaForConditionalGeneration."
-            f"from_pretrained(folder).save_pretrained(new_folder) writes model.safetensors"
+            f"{folder} holds {pickles[0]}, a pickle checkpoint; only safetensors are "
+            f"loaded (unpickling runs code "
+            f"from the file). Convert it once with transformers: "
+            f"PaliGemmaForConditionalGeneration."
+            f"from_pretrained(folder).save_pretrained(new_folder) "
+            f"writes model.safetensors"
         )
     raise CheckpointError(
-        f"{folder} has a config.json but no {SINGLE_FILE} or {INDEX_FILE}; is the download complete?"
+        f"{folder} has a config.json but no {SINGLE_FILE} or {INDEX_FILE}; "
+        f"is the download complete?"
     )
 
 # %% ../book/09_loading_real_weights.ipynb #c027
 def stored_tensors(files: list[Path]) -> dict:
-    "Our name -> (file, name in the file, shape, dtype) for every tensor of the files, read from the headers only"
+    """Our name -> (file, name in the file, shape, dtype) for every tensor of the files,
+    read from the headers only"""
     stored, unknown = {}, []
     for file in files:
         for key, info in read_safetensors_header(file).items():
@@ -148,14 +166,16 @@ def stored_tensors(files: list[Path]) -> dict:
                 unknown.append(f"{key} (in {file.name})")
             elif name in stored:
                 raise CheckpointError(
-                    f"{key} in {file.name} and {stored[name][1]} in {stored[name][0].name} are "
+                    f"{key} in {file.name} and {stored[name][1]} in "
+                    f"{stored[name][0].name} are "
                     f"two spellings of {name}; a checkpoint holds each tensor once"
                 )
             else:
                 stored[name] = (file, key, tuple(info["shape"]), info["dtype"])
     if unknown:
         raise CheckpointError(
-            f"the checkpoint holds {len(unknown)} tensors that are not part of PaliGemma, e.g. "
+            f"the checkpoint holds {len(unknown)} tensors that are not part of "
+            f"PaliGemma, e.g. "
             f"{unknown[0]}; is this a PaliGemma checkpoint?"
         )
     return stored
@@ -178,13 +198,14 @@ def _missing_message(name: str, stored: dict, config: PaliGemmaConfig) -> str:
         else config.vision.num_hidden_layers
     )
     return (
-        f"checkpoint has no tensor for {name} ({expected} layers expected by config.json, "
+        f"checkpoint has no tensor for {name} "
+        f"({expected} layers expected by config.json, "
         f"the files hold {_layer_count(stored, stack)}); is the download complete?"
     )
 
 
 def check_tensors(stored: dict, model: PaliGemmaForConditionalGeneration):
-    "Raise a CheckpointError naming the first missing, unexpected or wrongly shaped tensor"
+    "Raise a CheckpointError naming the first missing, unexpected or misshapen tensor"
     expected = {
         name: tuple(p.shape) for name, p in model.named_parameters()
     }  # the tied LM head appears once
@@ -196,15 +217,19 @@ def check_tensors(stored: dict, model: PaliGemmaForConditionalGeneration):
     if unexpected:
         file, key = stored[unexpected[0]][:2]
         raise CheckpointError(
-            f"checkpoint tensor {key} (in {file.name}) has no place in the model config.json "
-            f"describes ({len(unexpected)} such tensors); do config.json and the weights belong together?"
+            f"checkpoint tensor {key} (in {file.name}) has no place in the model "
+            f"config.json "
+            f"describes ({len(unexpected)} such tensors); "
+            f"do config.json and the weights belong together?"
         )
     expected[LM_HEAD] = expected[EMBEDDING]
     for name, (file, key, shape, _) in stored.items():
         if shape != expected[name]:
             raise CheckpointError(
-                f"tensor {key} in {file.name} has shape {list(shape)}, but config.json implies "
-                f"{list(expected[name])} for {name}; do config.json and the weights belong together?"
+                f"tensor {key} in {file.name} has shape {list(shape)}, "
+                f"but config.json implies "
+                f"{list(expected[name])} for {name}; "
+                f"do config.json and the weights belong together?"
             )
 
 # %% ../book/09_loading_real_weights.ipynb #c030
@@ -219,14 +244,27 @@ DTYPES = {
 _STORED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
-def resolve_dtype(dtype, stored_dtype: str) -> torch.dtype:
-    "The dtype to load in: `dtype` (a torch.dtype or a name in DTYPES), or the stored one when it is None"
+def has_native_bf16(device: torch.device) -> bool:
+    "False on a CUDA GPU older than Ampere (compute capability < 8.0, e.g. a T4)"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def resolve_dtype(dtype, stored_dtype: str, device=None) -> torch.dtype:
+    """The dtype to load in: `dtype` (a torch.dtype or a name in DTYPES), or when it is
+    None the stored one, except bfloat16 -> float32 on a GPU without native bfloat16"""
     if dtype is None:
         if stored_dtype not in _STORED_DTYPES:
             raise CheckpointError(
-                f"the weights are stored as {stored_dtype}; pass dtype= one of {sorted(DTYPES)}"
+                f"the weights are stored as {stored_dtype}; "
+                f"pass dtype= one of {sorted(DTYPES)}"
             )
-        return _STORED_DTYPES[stored_dtype]
+        dtype = _STORED_DTYPES[stored_dtype]
+        if dtype == torch.bfloat16 and device is not None:
+            return dtype if has_native_bf16(device) else torch.float32
+        return dtype
     if isinstance(dtype, str):
         dtype = DTYPES.get(dtype.removeprefix("torch."), dtype)
     if dtype not in DTYPES.values():
@@ -235,26 +273,28 @@ def resolve_dtype(dtype, stored_dtype: str) -> torch.dtype:
 
 
 def resolve_device(device) -> torch.device:
-    "None -> cpu; 'auto' -> cuda when available, else cpu; anything else as torch.device reads it"
+    "None -> cpu; 'auto' -> cuda if available, else cpu; else as torch.device reads it"
     if device is None or device == "auto":
-        return torch.device(
-            "cuda" if device == "auto" and torch.cuda.is_available() else "cpu"
-        )
+        cuda = device == "auto" and torch.cuda.is_available()
+        return torch.device("cuda" if cuda else "cpu")
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(
-            f"device {device!r} is not a device name; use 'cpu', 'cuda', 'cuda:1' or 'auto'"
+            f"device {device!r} is not a device name; "
+            f"use 'cpu', 'cuda', 'cuda:1' or 'auto'"
         ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            f"device {device} was asked for, but PyTorch sees no CUDA GPU; use 'cpu' or 'auto'"
+            f"device {device} was asked for, but PyTorch sees no CUDA GPU; "
+            f"use 'cpu' or 'auto'"
         )
     return device
 
 # %% ../book/09_loading_real_weights.ipynb #c032
 def check_tied_head(head: tuple, embedding: tuple):
-    "A stored LM head (file, key, shape, dtype) must equal the embedding table; both are compared as the files store them"
+    """A stored LM head (file, key, shape, dtype) must equal the embedding table; both
+    are compared as the files store them"""
 
     def as_stored(file, key, *_):
         with safe_open(file, framework="pt") as f:
@@ -274,9 +314,10 @@ def check_tied_head(head: tuple, embedding: tuple):
 def read_tensors(
     stored: dict, dtype: torch.dtype, device: torch.device, progress: bool = False
 ) -> dict:
-    "Our name -> tensor in `dtype` on `device`; without a conversion the tensor is a view of the memory-mapped file"
+    """Our name -> tensor in `dtype` on `device`; without a conversion the tensor is a
+    view of the memory-mapped file"""
     by_file = {}
-    for name, (file, key, shape, _) in stored.items():
+    for name, (file, key, *_) in stored.items():
         by_file.setdefault(file, []).append((name, key))
     total = sum(file.stat().st_size for file in by_file)
     state = {}
@@ -298,8 +339,10 @@ def read_tensors(
 def load_pretrained(
     path, dtype=None, device=None, progress: bool | None = None
 ) -> PaliGemmaForConditionalGeneration:
-    """A PaliGemma checkpoint folder (config.json + safetensors, any key spelling of KEY_MAP) -> our model, in eval mode.
-    dtype: None (as stored), a torch.dtype or 'bf16'/'fp16'/'fp32'; device: None (cpu), 'auto' or a device name"""
+    """A PaliGemma checkpoint folder (config.json + safetensors, any key spelling of
+    KEY_MAP) -> our model, in eval mode. dtype: None (as stored; bf16 becomes fp32 on a
+    GPU without native bf16), a torch.dtype or 'bf16'/'fp16'/'fp32'; device: None
+    (cpu), 'auto' or a device name"""
     files = checkpoint_files(path)
     try:
         config = PaliGemmaConfig.from_hf(
@@ -307,18 +350,19 @@ def load_pretrained(
         )
     except (ValueError, TypeError) as e:
         raise CheckpointError(
-            f"{Path(path) / 'config.json'} does not describe a PaliGemma this library builds: {e}"
+            f"{Path(path) / 'config.json'} does not describe a PaliGemma "
+            f"this library builds: {e}"
         ) from None
     with torch.device("meta"):
         model = PaliGemmaForConditionalGeneration(config)
     stored = stored_tensors(files)
     check_tensors(stored, model)
-    dtype, device = resolve_dtype(dtype, stored[EMBEDDING][3]), resolve_device(device)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, stored[EMBEDDING][3], device)
     if progress is None:
         progress = sum(f.stat().st_size for f in files) > 2**30
-    if (
-        LM_HEAD in stored
-    ):  # compared as stored, then dropped: never converted, never a second copy of the table
+    # compared as stored, then dropped: never converted, never a second copy
+    if LM_HEAD in stored:
         check_tied_head(stored.pop(LM_HEAD), stored[EMBEDDING])
     state = read_tensors(stored, dtype, device, progress)
     state[LM_HEAD] = state[EMBEDDING]
@@ -328,12 +372,14 @@ def load_pretrained(
 
 # %% ../book/09_loading_real_weights.ipynb #c040
 def save_pretrained(model: PaliGemmaForConditionalGeneration, folder):
-    "Write config.json and model.safetensors (Hub key names, tied LM head once) into `folder`, as transformers reads them"
+    """Write config.json and model.safetensors (Hub key names, tied LM head once) into
+    `folder`, as transformers reads them"""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if (folder / INDEX_FILE).exists():
         raise CheckpointError(
-            f"{folder} holds a sharded checkpoint ({INDEX_FILE}); a {SINGLE_FILE} beside it would "
+            f"{folder} holds a sharded checkpoint ({INDEX_FILE}); "
+            f"a {SINGLE_FILE} beside it would "
             f"make the folder ambiguous: save into another folder"
         )
     state = {
@@ -349,35 +395,57 @@ def save_pretrained(model: PaliGemmaForConditionalGeneration, folder):
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 # %% ../book/09_loading_real_weights.ipynb #c044
+def hub_cache() -> Path:
+    "Where huggingface_hub keeps downloads: $HF_HUB_CACHE, $HF_HOME/hub or the default"
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    return Path(os.environ.get("HF_HUB_CACHE", home / "hub"))
+
+
+def _complete(snapshot: Path) -> bool:
+    "A snapshot with a config, a tokenizer and weights (one file or an index)"
+    names = ("config.json", "tokenizer.model")
+    return all((snapshot / name).is_file() for name in names)
+
+
+def cached_snapshots(cache: Path, pattern: str = "models--google--paligemma-3b-*"):
+    """Complete snapshots of the repositories matching `pattern` in a Hub cache: the
+    one refs/bfloat16 names first, then refs/main's, then the others"""
+    found = []
+    for repo in sorted(Path(cache).glob(pattern)):
+        refs = {r.name: r.read_text().strip() for r in (repo / "refs").glob("*")}
+        named = [refs[branch] for branch in ("bfloat16", "main") if branch in refs]
+        others = sorted(p.name for p in (repo / "snapshots").glob("*"))
+        for commit in dict.fromkeys(named + others):  # in order, once each
+            snapshot = repo / "snapshots" / commit
+            if _complete(snapshot):
+                found.append(snapshot)
+    return found
+
+
 def find_real_checkpoint(variable: str = "PALIGEMMA_WEIGHTS") -> Path | None:
-    "The folder named by $PALIGEMMA_WEIGHTS, else a google/paligemma-3b-* snapshot in the Hugging Face cache, else None"
+    """The folder named by $PALIGEMMA_WEIGHTS, else a google/paligemma-3b-* snapshot in
+    the Hugging Face cache, else None"""
     if os.environ.get(variable):
         folder = Path(os.environ[variable]).expanduser()
-        checkpoint_files(
-            folder
-        )  # a clear error now if the variable names something that is not a checkpoint
+        checkpoint_files(folder)  # a clear error now if it is not a checkpoint
         return folder
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
-    cache = Path(os.environ.get("HF_HUB_CACHE", home / "hub"))
-    for snapshot in sorted(cache.glob("models--google--paligemma-3b-*/snapshots/*")):
-        if (snapshot / "config.json").is_file() and (
-            snapshot / "tokenizer.model"
-        ).is_file():
-            return snapshot
-    return None
+    snapshots = cached_snapshots(hub_cache())
+    return snapshots[0] if snapshots else None
 
 # %% ../book/09_loading_real_weights.ipynb #c050
 BOX_COLOURS = ("lime", "magenta", "orange", "cyan", "yellow", "purple")
 
 
 def draw_boxes(image, objects, width: int = 3) -> Image.Image:
-    "A copy of `image` with each (box (x0, y0, x1, y1) in pixels, label) of `objects` drawn, as parse_loc_tokens gives them"
+    """A copy of `image` with each (box (x0, y0, x1, y1) in pixels, label) of `objects`
+    drawn, as parse_loc_tokens gives them"""
     image = to_rgb(image).copy()
     draw = ImageDraw.Draw(image)
     for i, ((x0, y0, x1, y1), label) in enumerate(objects):
         colour = BOX_COLOURS[i % len(BOX_COLOURS)]
         draw.rectangle((x0, y0, x1, y1), outline=colour, width=width)
-        if label:  # white text on a tab of the box's colour, above the box (inside it at the top edge)
+        # white text on a tab of the box's colour, above the box (inside at the top)
+        if label:
             text_box = draw.textbbox((0, 0), label)
             w, h = text_box[2] - text_box[0] + 6, text_box[3] - text_box[1] + 6
             top = y0 - h if y0 - h >= 0 else y0

@@ -1,4 +1,5 @@
-"""Chapter 9: `python -m paligemma_lib generate` on a checkpoint folder; bad input gives one line and exit status 1."""
+"""Chapter 9: `python -m paligemma_lib generate` on a checkpoint folder; bad input gives
+one line and exit status 1."""
 
 import re
 import shutil
@@ -24,7 +25,8 @@ from paligemma_lib.weights import load_pretrained, save_pretrained
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    "A complete random checkpoint folder (weights, config, tokenizer, image settings) and an image file"
+    """A complete random checkpoint folder (weights, config, tokenizer, image settings)
+    and an image file"""
     root = tmp_path_factory.mktemp("cli")
     tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
     config = PaliGemmaConfig(
@@ -153,7 +155,8 @@ def test_detect_draws_and_sampling_is_seeded(checkpoint, tmp_path, capsys):
         ("draw_without_detect", "--draw saves the boxes of a 'detect ...' prompt"),
         (
             "truncated",
-            r"model\.safetensors is truncated: its header promises \d+ bytes, the file has \d+; is the download",
+            r"model\.safetensors is truncated: its header promises \d+ bytes, "
+            r"the file has \d+; is the download",
         ),
         ("no_tokenizer", "has no tokenizer.model"),
         ("sampling_without_do_sample", "add --do-sample to sample"),

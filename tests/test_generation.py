@@ -1,4 +1,5 @@
-"""Chapter 8: KV caches and generation; parity with recomputation, with rows alone, and with transformers."""
+"""Chapter 8: KV caches and generation; parity with recomputation, with rows alone, and
+with transformers."""
 
 import pytest
 import torch
@@ -51,7 +52,8 @@ def tiny_config(kv_heads=1, vocab=300, image_token=IMAGE):
 
 
 def prompts(config, lengths, seed=0):
-    "Left-padded prompts: image tokens, <bos>, `n` random tokens, newline; with mask, types and images"
+    """Left-padded prompts: image tokens, <bos>, `n` random tokens, newline; with mask,
+    types and images"""
     g = torch.Generator().manual_seed(seed)
     seqs = [
         [config.image_token_index] * config.num_image_tokens
@@ -256,7 +258,8 @@ def test_filters_keep_the_right_tokens():
 
 
 def test_top_p_one_keeps_every_token_of_a_large_vocabulary():
-    "float32's cumsum reaches 1.0 long before the end of a peaked 257k-token distribution; top_p=1.0 must keep all"
+    """float32's cumsum reaches 1.0 long before the end of a peaked 257k-token
+    distribution; top_p=1.0 must keep all"""
     logits = torch.cat([torch.tensor([[30.0]]), torch.zeros(1, 257215)], 1)
     assert (
         logits.softmax(-1).cumsum(-1)[0, 1].item() == 1.0
@@ -323,7 +326,7 @@ def test_answer_returns_strings():
 
 
 def test_answer_takes_eos_and_pad_from_the_tokenizer(monkeypatch):
-    "answer passes the tokenizer's <eos> and <pad> ids to generate, unless the caller gives them"
+    "answer passes the tokenizer's <eos> and <pad> ids to generate, unless given them"
     tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
     config = tiny_config(vocab=len(tokenizer), image_token=tokenizer.image_token_id)
     processor = PaliGemmaProcessor(
@@ -437,7 +440,8 @@ def test_decoding_linears_puts_the_modules_back_after_an_error():
 
 @pytest.mark.parametrize("cache", ["static", "dynamic", "none"])
 def test_the_vision_tower_runs_once_per_image(cache):
-    "Prefill encodes each image once; with a cache, decoding steps never touch the vision tower again"
+    """Prefill encodes each image once; with a cache, decoding steps never touch the
+    vision tower again"""
     config = tiny_config()
     model = model_for(config)
     inputs = prompts(config, [5, 2, 8])
@@ -457,7 +461,8 @@ def test_the_vision_tower_runs_once_per_image(cache):
 
 
 def test_decoding_linear_takes_the_usual_product_off_the_cpu(monkeypatch):
-    "Only the CPU gets the transposed product; elsewhere (a meta tensor stands in for a GPU here) F.linear runs"
+    """Only the CPU gets the transposed product; elsewhere (a meta tensor stands in for
+    a GPU here) F.linear runs"""
     calls = []
     monkeypatch.setattr(
         torch.nn.functional,

@@ -1,7 +1,7 @@
-"""Chapter 9: loading HF PaliGemma checkpoints in every key spelling, strict errors, and saving for transformers."""
+"""Chapter 9: loading HF PaliGemma checkpoints in every key spelling, strict errors, and
+saving for transformers."""
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -116,7 +116,7 @@ def write_state(state, folder, config_json, shards=1):
 
 
 def write_checkpoint(theirs, folder, spelling, sharded):
-    "The transformers model saved in one of the three key spellings, as one file or as shards"
+    "The transformers model saved in one of the three key spellings, one file or shards"
     if spelling == "transformers5":
         theirs.save_pretrained(folder, max_shard_size="40kB" if sharded else "5GB")
         assert (folder / "model.safetensors.index.json").is_file() == sharded
@@ -179,7 +179,8 @@ def test_key_map():
 
 
 def hub_layout(config: PaliGemmaConfig) -> dict:
-    "Tensor names and shapes of a PaliGemma checkpoint on the Hub (transformers 4.x names), written out by hand"
+    """Tensor names and shapes of a PaliGemma checkpoint on the Hub (transformers 4.x
+    names), written out by hand"""
     v, t = config.vision, config.text
     shapes = {
         "vision_tower.vision_model.embeddings.patch_embedding.weight": (
@@ -418,22 +419,30 @@ def break_checkpoint(theirs, folder, how):
 
 
 BROKEN = {
-    "missing_shard": r"lists 3 shard files but 1 of them are not in .*is the download complete",
-    "missing_layer": r"no tensor for language_model\.model\.layers\.1\.\S+ \(2 layers expected by config\.json, "
+    "missing_shard": r"lists 3 shard files but 1 of them are not in "
+    r".*is the download complete",
+    "missing_layer": r"no tensor for language_model\.model\.layers\.1\.\S+ "
+    r"\(2 layers expected by config\.json, "
     r"the files hold 1\); is the download complete\?",
-    "extra_layer": r"tensor language_model\.model\.layers\.1\.\S+ \(in model\.safetensors\) has no place",
+    "extra_layer": r"tensor language_model\.model\.layers\.1\.\S+ "
+    r"\(in model\.safetensors\) has no place",
     "unknown_tensor": r"not part of PaliGemma, e\.g\. text_model\.head\.weight",
-    "wrong_shape": r"multi_modal_projector\.linear\.bias in model\.safetensors has shape \[47\], but config\.json "
+    "wrong_shape": r"multi_modal_projector\.linear\.bias in model\.safetensors "
+    r"has shape \[47\], but config\.json "
     r"implies \[48\]",
-    "two_spellings": r"model\.language_model\.norm\.weight .* two spellings of language_model\.model\.norm\.weight",
+    "two_spellings": r"model\.language_model\.norm\.weight .* "
+    r"two spellings of language_model\.model\.norm\.weight",
     "untied_head": r"lm_head\.weight differs from its embedding table",
-    "pickle": r"pytorch_model\.bin, a pickle checkpoint; only safetensors .*\.save_pretrained",
+    "pickle": r"pytorch_model\.bin, a pickle checkpoint; "
+    r"only safetensors .*\.save_pretrained",
     "no_weights": r"no model\.safetensors or model\.safetensors\.index\.json",
     "no_config": r"not a PaliGemma checkpoint: it has no config\.json",
     "damaged_file": r"model\.safetensors is not a readable safetensors file",
-    "truncated": r"model\.safetensors is truncated: its header promises (\d+) bytes, the file has \d+; "
+    "truncated": r"model\.safetensors is truncated: its header promises (\d+) bytes, "
+    r"the file has \d+; "
     r"is the download complete\?",
-    "trailing_bytes": r"model\.safetensors has 10 bytes after the data its header describes",
+    "trailing_bytes": r"model\.safetensors has 10 bytes after the data "
+    r"its header describes",
     "bad_config": r"config\.json does not describe .*num_key_value_heads 3",
 }
 
@@ -456,7 +465,7 @@ def test_truncated_file_names_both_sizes(theirs, tmp_path):
 
 
 def test_a_stored_lm_head_is_compared_as_stored_and_never_converted(theirs, tmp_path):
-    "A head that differs from the embedding below bfloat16's precision is still a different head"
+    "A head differing from the embedding below bfloat16's precision is another head"
     folder = write_checkpoint(
         theirs, tmp_path / "ckpt", "in_memory", False
     )  # holds lm_head.weight, equal to the table
@@ -498,7 +507,8 @@ def mapped_ranges(path: Path) -> list[tuple[int, int]]:
     not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps"
 )
 def test_loading_in_the_stored_dtype_makes_no_second_copy(theirs, tmp_path):
-    "A float32 parameter loaded as stored lies inside the mapping of model.safetensors; a converted one does not"
+    """A float32 parameter loaded as stored lies inside the mapping of
+    model.safetensors; a converted one does not"""
     folder = write_checkpoint(theirs, tmp_path / "ckpt", "hub", False)
     file = folder / "model.safetensors"
     model = load_pretrained(folder)
@@ -559,3 +569,88 @@ def test_draw_boxes():
         (100, 60)
     ) == (255, 255, 255)
     assert image.getpixel((51, 50)) == (255, 255, 255)  # the input is not drawn on
+
+
+def make_hub_cache(cache, repo="models--google--paligemma-3b-pt-224"):
+    """A fake Hugging Face cache holding a tiny random PaliGemma saved by transformers,
+    with chapter 6's tokenizer, laid out as snapshot_download leaves it"""
+    from paligemma_lib.processing import (
+        GemmaTokenizer,
+        PaliGemmaProcessor,
+        default_tokenizer_path,
+    )
+
+    tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
+    config = tiny_config()
+    config.text.vocab_size = len(tokenizer)
+    config.image_token_index = tokenizer.image_token_id
+    torch.manual_seed(0)
+    model = transformers.PaliGemmaForConditionalGeneration(
+        transformers.PaliGemmaConfig(**config.to_hf())
+    ).eval()
+    commits = {"main": "1" * 40, "bfloat16": "2" * 40}
+    for branch, commit in commits.items():
+        snapshot = cache / repo / "snapshots" / commit
+        model.save_pretrained(snapshot)
+        PaliGemmaProcessor(
+            tokenizer,
+            image_size=config.vision.image_size,
+            num_image_tokens=config.num_image_tokens,
+        ).save_pretrained(snapshot)
+        (cache / repo / "refs").mkdir(parents=True, exist_ok=True)
+        (cache / repo / "refs" / branch).write_text(commit)
+    return {branch: cache / repo / "snapshots" / c for branch, c in commits.items()}
+
+
+def chapter_cell(cell_id, notebook="book/09_loading_real_weights.ipynb"):
+    "The source of one code cell of a chapter, to run the chapter's own code here"
+    root = Path(__file__).resolve().parents[1]
+    cells = json.loads((root / notebook).read_text())["cells"]
+    return "".join(next(c["source"] for c in cells if c.get("id") == cell_id))
+
+
+def test_finder_and_comparison_on_a_fake_hub_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("PALIGEMMA_WEIGHTS", raising=False)
+    assert find_real_checkpoint() is None
+    snapshots = make_hub_cache(cache)
+    assert find_real_checkpoint() == snapshots["bfloat16"]  # refs/bfloat16 first
+    (snapshots["bfloat16"] / "tokenizer.model").unlink()  # an incomplete download
+    assert find_real_checkpoint() == snapshots["main"]
+    monkeypatch.setenv("PALIGEMMA_WEIGHTS", str(snapshots["main"]))
+    assert find_real_checkpoint() == snapshots["main"]
+
+    namespace = {}
+    exec(chapter_cell("c046c"), namespace)  # the chapter's comparison, as it is
+    ours, theirs, our_tokens, their_tokens = namespace["compare_with_transformers"](
+        find_real_checkpoint(), max_new_tokens=4
+    )
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert torch.equal(our_tokens, their_tokens) and our_tokens.shape[0] == 2
+
+
+@pytest.mark.parametrize(
+    "capability, stored, asked, expected",
+    [
+        ((7, 5), "BF16", None, torch.float32),  # T4: no native bf16
+        ((7, 0), "BF16", None, torch.float32),  # V100
+        ((8, 0), "BF16", None, torch.bfloat16),  # A100 and later
+        ((7, 5), "BF16", "bf16", torch.bfloat16),  # asked for: as asked
+        ((7, 5), "BF16", "fp16", torch.float16),
+        ((7, 5), "F32", None, torch.float32),
+        ((7, 5), "F16", None, torch.float16),
+    ],
+)
+def test_default_dtype_on_a_gpu_without_native_bf16(
+    monkeypatch, capability, stored, asked, expected
+):
+    from paligemma_lib.weights import has_native_bf16, resolve_dtype
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_capability", lambda device=None: capability
+    )
+    cuda = torch.device("cuda")
+    assert has_native_bf16(cuda) == (capability >= (8, 0))
+    assert resolve_dtype(asked, stored, cuda) == expected
+    assert resolve_dtype(None, "BF16", torch.device("cpu")) == torch.bfloat16
