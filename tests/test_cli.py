@@ -244,17 +244,11 @@ def one_error_line(run, *words):
     return lines[0]
 
 
-def generate(checkpoint, *extra, image=None):
+def generate(checkpoint, *extra, image=None, prompt="caption en"):
     image = image or checkpoint / "image.png"
+    model = checkpoint / "model"
     return cli(
-        "generate",
-        "--model",
-        checkpoint / "model",
-        "--image",
-        image,
-        "--prompt",
-        "caption en",
-        *extra,
+        "generate", "--model", model, "--image", image, "--prompt", prompt, *extra
     )
 
 
@@ -285,18 +279,7 @@ def test_devices_that_cannot_run_the_model(checkpoint, device):
 
 
 def detect(checkpoint, draw, image=None):
-    image = image or checkpoint / "image.png"
-    return cli(
-        "generate",
-        "--model",
-        checkpoint / "model",
-        "--image",
-        image,
-        "--prompt",
-        "detect cat",
-        "--draw",
-        draw,
-    )
+    return generate(checkpoint, "--draw", draw, image=image, prompt="detect cat")
 
 
 def test_draw_to_a_folder_that_does_not_exist(checkpoint):
