@@ -6,14 +6,20 @@
 Bad input (a missing file, an unreadable image, a folder that is not a checkpoint)
 ends with one line on stderr and exit status 1, not a traceback."""
 
+import os
 import signal
 import sys
 
 
 def _interrupted(signum, frame):
-    "Ctrl-C, in any phase: one line and the shell's status for SIGINT (128 + 2)"
-    print("error: interrupted", file=sys.stderr)
-    sys.exit(130)
+    """Ctrl-C, in any phase: one line and the shell's status for SIGINT (128 + 2).
+
+    `os._exit`, not `sys.exit`: a `SystemExit` raised wherever the signal lands can be
+    swallowed by a bare `except:` in a library being imported, and the run would go on
+    and end with status 0. Nothing is half-written at this point but a `--draw` file."""
+    sys.stdout.flush()
+    print("error: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 # Run as a program: first, before the slow imports, so that Ctrl-C never prints a
@@ -23,7 +29,6 @@ if __name__ == "__main__":
 
 import argparse
 import math
-import os
 from pathlib import Path
 
 import torch
