@@ -24,7 +24,7 @@ except PackageNotFoundError:  # run from a checkout that was never installed
 _WHERE = {
     "PaliGemmaProcessor": "processing",
     "answer": "generation",
-    "draw_boxes": "weights",
+    "draw_boxes": "processing",
     "generate": "generation",
     "load_image": "processing",
     "load_pretrained": "weights",

@@ -29,6 +29,7 @@ if __name__ == "__main__":
 
 import argparse
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,12 +38,16 @@ from safetensors import SafetensorError
 
 from . import __version__
 from .generation import answer
-from .processing import PaliGemmaProcessor, load_image, parse_loc_tokens
+from .processing import (
+    PaliGemmaProcessor,
+    draw_boxes,
+    load_image,
+    parse_loc_tokens,
+)
 from .weights import (
     DTYPES,
     CheckpointError,
     checkpoint_files,
-    draw_boxes,
     load_pretrained,
     resolve_device,
 )
@@ -208,13 +213,24 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+def _note(message, category, filename, lineno, file=None, line=None):
+    "A library warning as one `note:` line, without the source file and line"
+    print(f"note: {one_line(message)}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        return generate_command(args)
-    except BAD_INPUT as e:  # bad input: one line, no traceback
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+    with warnings.catch_warnings():  # restores the caller's warning display
+        warnings.showwarning = _note
+        try:
+            return generate_command(args)
+        except BAD_INPUT as e:  # bad input: one line, no traceback
+            print(f"error: {one_line(e)}", file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":

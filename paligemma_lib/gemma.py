@@ -13,6 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__doc__ = """The Gemma decoder. Chapter 4: RMSNorm, the gated MLP and rotary position
+embeddings. Chapter 5: attention with shared key/value heads, the decoder layers and
+`GemmaForCausalLM` with its tied LM head."""
+
 # %% ../book/04_gemma_building_blocks.ipynb #c015
 class GemmaRMSNorm(nn.Module):
     """RMSNorm with Gemma's (1 + weight) scale, the weight starting at 0; computed in

@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['top_k_filter', 'top_p_filter', 'next_token', 'DecodingLinear',
-           'decoding_linears', 'generate', 'answer']
+           'decoding_linears', 'NonFiniteLogitsError', 'generate', 'answer']
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c004
 from contextlib import contextmanager, nullcontext
@@ -14,6 +14,10 @@ from torch import nn
 from .kv_cache import DynamicKVCache, StaticKVCache
 from .paligemma import PaliGemmaForConditionalGeneration
 from .processing import PaliGemmaProcessor
+
+__doc__ = """Generation (chapter 8): `generate` continues token ids with a KV cache,
+greedy or sampled (temperature, top-k, top-p); `answer` takes images and prompts and
+returns strings."""
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c023
 def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -122,7 +126,12 @@ _decoding_linears = decoding_linears
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c037
 def _check_prompts(
-    input_ids, pixel_values, attention_mask, token_type_ids, max_new_tokens
+    input_ids,
+    pixel_values,
+    attention_mask,
+    token_type_ids,
+    max_new_tokens,
+    max_positions: int,
 ):
     "Raise a ValueError for prompts that generate cannot continue"
     if input_ids.ndim != 2:
@@ -152,6 +161,41 @@ def _check_prompts(
     if max_new_tokens < 1:
         raise ValueError(
             f"max_new_tokens={max_new_tokens}: ask for at least one new token"
+        )
+    _check_length(input_ids.shape[1], max_new_tokens, max_positions)
+
+
+def _check_length(prompt: int, max_new_tokens: int, max_positions: int):
+    "The prompt and the new tokens must fit the model's positions; checked before any"
+    if prompt >= max_positions:  # buffer or cache is allocated
+        raise ValueError(
+            f"the prompt is {prompt} tokens, {prompt - max_positions + 1} too many "
+            f"for the model's {max_positions} positions (max_position_embeddings) and "
+            f"one new token; shorten the prompt"
+        )
+    if prompt + max_new_tokens > max_positions:
+        raise ValueError(
+            f"the prompt ({prompt} tokens) and max_new_tokens={max_new_tokens} make "
+            f"{prompt + max_new_tokens} tokens, "
+            f"{prompt + max_new_tokens - max_positions} over the model's "
+            f"{max_positions} positions (max_position_embeddings); ask for at most "
+            f"max_new_tokens={max_positions - prompt}"
+        )
+
+
+class NonFiniteLogitsError(ValueError):
+    "The model gave NaN or infinite logits: the message names the step and the rows"
+
+
+def _check_finite(logits: torch.Tensor, step: int, rows: torch.Tensor):
+    "Logits [b, V] of the running `rows` for new token `step` (from 0) must be finite"
+    finite = torch.isfinite(logits).all(-1)  # [b]
+    if not bool(finite.all()):
+        raise NonFiniteLogitsError(
+            f"the logits for new token {step + 1} are NaN or infinite (batch rows "
+            f"{rows[~finite].tolist()}): the weights or the image hold NaN or inf, "
+            f"or float16 overflowed; check the checkpoint, or load it in float32 or "
+            f"bfloat16"
         )
 
 
@@ -226,7 +270,12 @@ def generate(
     if token_type_ids is None:
         token_type_ids = torch.zeros_like(input_ids)
     _check_prompts(
-        input_ids, pixel_values, attention_mask, token_type_ids, max_new_tokens
+        input_ids,
+        pixel_values,
+        attention_mask,
+        token_type_ids,
+        max_new_tokens,
+        model.config.text.max_position_embeddings,
     )
     if do_sample:
         _check_sampling(temperature, top_k, top_p)
@@ -249,6 +298,7 @@ def generate(
             logits_to_keep=1,
         ).logits[:, -1]  # prefill: [B, V]
         for t in range(max_new_tokens):
+            _check_finite(logits, t, rows)  # a NaN would decode as some token
             token = next_token(logits, do_sample, temperature, top_k, top_p, generator)
             ids[rows, S + t] = token  # [b]: one per running row
             running = (
@@ -294,10 +344,20 @@ def answer(
     prompts,
     **kw,
 ):
-    """Images and prompts -> the generated answers as strings (one string for a single
-    prompt string); `kw` go to generate"""
-    single = isinstance(prompts, str)
-    batch = processor([images] if single else images, [prompts] if single else prompts)
+    """Images and prompts -> the generated answers as strings.
+
+    images: one image (a path or a PIL image) or a list of them.
+    prompts: one string, or a list with one string per image. One string with a
+        list of images asks every image the same question.
+    kw: the settings of `generate`: max_new_tokens (32), do_sample (False),
+        temperature, top_k, top_p, generator (for a reproducible sample),
+        eos_token_id and pad_token_id (the tokenizer's by default), cache.
+    Returns one string for one image and one prompt string, else a list of strings
+    in the order of the images."""
+    single = isinstance(prompts, str) and not isinstance(images, (list, tuple))
+    if isinstance(prompts, str):  # one question for one image, or for each image
+        prompts = [prompts] * (1 if single else len(images))
+    batch = processor([images] if single else images, prompts)
     dtype = model.language_model.lm_head.weight.dtype
     device = model.language_model.lm_head.weight.device
     kw = {

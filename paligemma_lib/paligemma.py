@@ -16,6 +16,9 @@ from .config import PaliGemmaConfig
 from .gemma import GemmaForCausalLM, additive_mask
 from .siglip import SiglipVisionModel
 
+__doc__ = """PaliGemma (chapter 7): the projector, image features merged into the
+`<image>` positions, the prefix-LM mask, and `PaliGemmaForConditionalGeneration`."""
+
 # %% ../book/07_paligemma.ipynb #c010
 class PaliGemmaMultiModalProjector(nn.Module):
     "One Linear from the vision width to the text width D: [B, N, 1152] -> [B, N, D]"

@@ -2,28 +2,36 @@
 
 # %% auto #0
 __all__ = ['KEY_MAP', 'EMBEDDING', 'LM_HEAD', 'SINGLE_FILE', 'INDEX_FILE', 'DTYPES',
-           'BOX_COLOURS', 'CheckpointError', 'read_safetensors_header',
-           'our_name', 'checkpoint_files', 'stored_tensors', 'check_tensors',
-           'has_native_bf16', 'resolve_dtype', 'resolve_device',
+           'POOLING_HEAD', 'CheckpointError', 'read_safetensors_header',
+           'our_name', 'read_checkpoint_json', 'checkpoint_files',
+           'stored_tensors', 'check_tensors', 'has_native_bf16',
+           'resolve_dtype', 'resolve_device', 'skip_pooling_head',
            'check_tied_head', 'read_tensors', 'load_pretrained',
            'save_pretrained', 'hub_cache', 'cached_snapshots',
-           'find_real_checkpoint', 'draw_boxes']
+           'find_real_checkpoint']
 
 # %% ../book/09_loading_real_weights.ipynb #c003
 import json
 import os
 import re
+import secrets
+import shutil
+import warnings
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageDraw
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .config import PaliGemmaConfig
 from .paligemma import PaliGemmaForConditionalGeneration
-from .processing import to_rgb
+from .processing import read_json
+
+__doc__ = """Checkpoints (chapter 9): `load_pretrained` reads a PaliGemma folder
+(config.json and safetensors weights, one file or shards, in the key spellings of
+transformers 4 and 5) and says exactly what is wrong with a broken one;
+`save_pretrained` writes a folder that transformers and this library load."""
 
 # %% ../book/09_loading_real_weights.ipynb #c014
 class CheckpointError(ValueError):
@@ -99,6 +107,27 @@ def our_name(key: str) -> str | None:
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
 
+def read_checkpoint_json(path: Path) -> dict:
+    "A checkpoint's JSON file as a dict; a file that is not a JSON object is an error"
+    try:
+        return read_json(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _weight_map(index: Path) -> dict:
+    "The index's tensor name -> shard file name, checked to be that"
+    weight_map = read_checkpoint_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) for v in weight_map.values()
+    ):
+        raise CheckpointError(
+            f'{index} has no "weight_map" object of tensor name -> shard file name '
+            f"(found {type(weight_map).__name__}); is it a safetensors index?"
+        )
+    return weight_map
+
+
 def checkpoint_files(folder) -> list[Path]:
     "The safetensors files of a folder: model.safetensors, or its index's shards"
     folder = Path(folder)
@@ -123,9 +152,7 @@ def checkpoint_files(folder) -> list[Path]:
     if single.is_file():
         return [single]
     if index.is_file():
-        shards = sorted(
-            set(json.loads(index.read_text()).get("weight_map", {}).values())
-        )
+        shards = sorted(set(_weight_map(index).values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if not shards or missing:
             raise CheckpointError(
@@ -292,6 +319,28 @@ def resolve_device(device) -> torch.device:
     return device
 
 # %% ../book/09_loading_real_weights.ipynb #c032
+POOLING_HEAD = "vision_tower.vision_model.head."
+
+
+def skip_pooling_head(stored: dict, hf_config: dict) -> dict:
+    """`stored` without the SigLIP pooling head's tensors, with a warning naming them,
+    when config.json asks for the head (vision_use_head, true by default in
+    transformers). PaliGemma passes every patch's vector on and never pools."""
+    head = sorted(name for name in stored if name.startswith(POOLING_HEAD))
+    vision = hf_config.get("vision_config")
+    wanted = isinstance(vision, dict) and vision.get("vision_use_head", True)
+    if not head or not wanted:  # head tensors the config does not ask for: an error
+        return stored  # later, in check_tensors
+    parts = ", ".join(name.removeprefix(POOLING_HEAD) for name in head)
+    warnings.warn(
+        f"ignoring the {len(head)} tensors of the vision tower's pooling head "
+        f"({POOLING_HEAD}{{{parts}}}): config.json sets vision_use_head, but "
+        f"PaliGemma feeds the language model every patch and never uses the head",
+        stacklevel=3,
+    )
+    return {name: v for name, v in stored.items() if name not in head}
+
+
 def check_tied_head(head: tuple, embedding: tuple):
     """A stored LM head (file, key, shape, dtype) must equal the embedding table; both
     are compared as the files store them"""
@@ -344,18 +393,17 @@ def load_pretrained(
     GPU without native bf16), a torch.dtype or 'bf16'/'fp16'/'fp32'; device: None
     (cpu), 'auto' or a device name"""
     files = checkpoint_files(path)
+    hf_config = read_checkpoint_json(Path(path) / "config.json")
     try:
-        config = PaliGemmaConfig.from_hf(
-            json.loads((Path(path) / "config.json").read_text())
-        )
-    except (ValueError, TypeError) as e:
+        config = PaliGemmaConfig.from_hf(hf_config)
+    except (ValueError, TypeError, AttributeError) as e:
         raise CheckpointError(
             f"{Path(path) / 'config.json'} does not describe a PaliGemma "
             f"this library builds: {e}"
         ) from None
     with torch.device("meta"):
         model = PaliGemmaForConditionalGeneration(config)
-    stored = stored_tensors(files)
+    stored = skip_pooling_head(stored_tensors(files), hf_config)
     check_tensors(stored, model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, stored[EMBEDDING][3], device)
@@ -371,28 +419,67 @@ def load_pretrained(
     return model.eval()
 
 # %% ../book/09_loading_real_weights.ipynb #c040
-def save_pretrained(model: PaliGemmaForConditionalGeneration, folder):
+def save_pretrained(
+    model: PaliGemmaForConditionalGeneration, folder, processor=None
+) -> Path:
     """Write config.json and model.safetensors (Hub key names, tied LM head once) into
-    `folder`, as transformers reads them"""
+    `folder`, as transformers reads them; with `processor`, its tokenizer and image
+    settings too, so that the folder is complete for `python -m paligemma_lib`.
+    Everything is written into a temporary folder first, then moved in: a failure
+    leaves the folder as it was. Other files in `folder` are kept."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{folder} is a file; save_pretrained writes a folder")
     if (folder / INDEX_FILE).exists():
         raise CheckpointError(
             f"{folder} holds a sharded checkpoint ({INDEX_FILE}); "
             f"a {SINGLE_FILE} beside it would "
             f"make the folder ambiguous: save into another folder"
         )
-    state = {
-        name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()
-    }  # no LM head: tied
-    dtype = str(state[EMBEDDING].dtype).removeprefix("torch.")
-    partial = folder / f".{SINGLE_FILE}.partial"
-    save_file(state, partial, metadata={"format": "pt"})
-    os.replace(
-        partial, folder / SINGLE_FILE
-    )  # atomic; a model mapping the old file keeps its bytes
-    config = {**model.config.to_hf(), "dtype": dtype}
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # next to the target: the same file system, so moving a file in is a rename
+    staging = folder.parent / f".{folder.name}.saving-{secrets.token_hex(4)}"
+    staging.mkdir()  # with the usual permissions (mkdtemp's are the owner's only)
+    try:
+        state = {
+            name: p.detach().to("cpu").contiguous()
+            for name, p in model.named_parameters()
+        }  # no LM head: tied
+        dtype = str(state[EMBEDDING].dtype).removeprefix("torch.")
+        save_file(state, staging / SINGLE_FILE, metadata={"format": "pt"})
+        config = {**model.config.to_hf(), "dtype": dtype}
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if processor is not None:
+            processor.save_pretrained(staging)
+        _move_in(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _move_in(staging: Path, folder: Path):
+    """Move every file of `staging` into `folder` by renames, the old versions set
+    aside first and put back if a rename fails"""
+    if not folder.exists():
+        staging.rename(folder)  # one atomic step
+        return
+    names = sorted(p.name for p in staging.iterdir())
+    aside = staging / ".old"
+    aside.mkdir()
+    moved_aside, moved_in = [], []
+    try:
+        for name in names:
+            if (folder / name).exists():
+                os.replace(folder / name, aside / name)  # an open mmap keeps its bytes
+                moved_aside.append(name)
+            os.replace(staging / name, folder / name)
+            moved_in.append(name)
+    except OSError:
+        for name in moved_in:
+            os.replace(folder / name, staging / name)
+        for name in moved_aside:
+            os.replace(aside / name, folder / name)
+        raise
 
 # %% ../book/09_loading_real_weights.ipynb #c044
 def hub_cache() -> Path:
@@ -431,24 +518,3 @@ def find_real_checkpoint(variable: str = "PALIGEMMA_WEIGHTS") -> Path | None:
         return folder
     snapshots = cached_snapshots(hub_cache())
     return snapshots[0] if snapshots else None
-
-# %% ../book/09_loading_real_weights.ipynb #c050
-BOX_COLOURS = ("lime", "magenta", "orange", "cyan", "yellow", "purple")
-
-
-def draw_boxes(image, objects, width: int = 3) -> Image.Image:
-    """A copy of `image` with each (box (x0, y0, x1, y1) in pixels, label) of `objects`
-    drawn, as parse_loc_tokens gives them"""
-    image = to_rgb(image).copy()
-    draw = ImageDraw.Draw(image)
-    for i, ((x0, y0, x1, y1), label) in enumerate(objects):
-        colour = BOX_COLOURS[i % len(BOX_COLOURS)]
-        draw.rectangle((x0, y0, x1, y1), outline=colour, width=width)
-        # white text on a tab of the box's colour, above the box (inside at the top)
-        if label:
-            text_box = draw.textbbox((0, 0), label)
-            w, h = text_box[2] - text_box[0] + 6, text_box[3] - text_box[1] + 6
-            top = y0 - h if y0 - h >= 0 else y0
-            draw.rectangle((x0, top, x0 + w, top + h), fill=colour)
-            draw.text((x0 + 3, top + 3 - text_box[1]), label, fill="white")
-    return image

@@ -1,21 +1,28 @@
 """Chapter 9: `python -m paligemma_lib generate` on a checkpoint folder; bad input gives
 one line and exit status 1."""
 
+import json
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zlib
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import paligemma_lib
 from paligemma_lib.__main__ import main
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
-from paligemma_lib.generation import answer
+from paligemma_lib.generation import NonFiniteLogitsError, answer
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
 from paligemma_lib.processing import (
     GemmaTokenizer,
@@ -23,7 +30,12 @@ from paligemma_lib.processing import (
     default_tokenizer_path,
     load_image,
 )
-from paligemma_lib.weights import load_pretrained, save_pretrained
+from paligemma_lib.weights import (
+    INDEX_FILE,
+    load_pretrained,
+    read_safetensors_header,
+    save_pretrained,
+)
 
 
 @pytest.fixture(scope="module")
@@ -329,3 +341,230 @@ def test_ctrl_c_exits_130_without_a_traceback(checkpoint, phase, delay):
     assert child.returncode == 130, (phase, child.returncode, err)
     assert "Traceback" not in err and err.strip() == "error: interrupted", err
     assert out == "", "an interrupted run prints no answer"
+
+
+class Run(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_main(capsys, checkpoint, *extra, model=None, image=None, prompt="caption en"):
+    """The command in this process (main(), as `python -m paligemma_lib` runs it):
+    quicker than a child process, and an uncaught exception fails the test"""
+    args = ["generate", "--model", model or checkpoint / "model"]
+    args += ["--image", image or checkpoint / "image.png", "--prompt", prompt]
+    code = main([str(a) for a in [*args, *extra]])
+    out = capsys.readouterr()
+    return Run(code, out.out, out.err)
+
+
+def model_copy(checkpoint, tmp_path) -> Path:
+    shutil.copytree(checkpoint / "model", tmp_path / "model")
+    return tmp_path / "model"
+
+
+def claim_size(png: bytes, width: int, height: int) -> bytes:
+    "A PNG whose header claims another size (IHDR rewritten, CRC recomputed)"
+    ihdr = png.index(b"IHDR")
+    body = b"IHDR" + struct.pack(">II", width, height) + png[ihdr + 12 : ihdr + 17]
+    return png[:ihdr] + body + struct.pack(">I", zlib.crc32(body)) + png[ihdr + 21 :]
+
+
+def test_an_image_over_the_decompression_bomb_limit(checkpoint, tmp_path):
+    huge = tmp_path / "huge.png"
+    huge.write_bytes(claim_size((checkpoint / "image.png").read_bytes(), 15000, 15000))
+    limit = f"{2 * Image.MAX_IMAGE_PIXELS:,}"
+    one_error_line(generate(checkpoint, image=huge), "225,000,000 pixels", limit)
+    with pytest.raises(ValueError, match="225,000,000 pixels"):
+        load_image(huge)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("[1, 2, 3]", "config.json holds a JSON list, not an object"),
+        ('{"vision_config": {', "config.json is not valid JSON"),
+        ("\x89PNG\r\n", "config.json is not"),
+    ],
+)
+def test_a_config_json_that_is_no_json_object(
+    checkpoint, tmp_path, capsys, text, words
+):
+    model = model_copy(checkpoint, tmp_path)
+    (model / "config.json").write_text(text, encoding="latin-1")
+    one_error_line(run_main(capsys, checkpoint, model=model), words)
+    with pytest.raises(ValueError, match="config.json"):
+        load_pretrained(model)
+
+
+def sharded(checkpoint, tmp_path) -> Path:
+    "The checkpoint as an index and one shard, as the Hub's larger models are laid out"
+    model = model_copy(checkpoint, tmp_path)
+    names = list(read_safetensors_header(model / "model.safetensors"))
+    (model / "model.safetensors").rename(model / "model-00001-of-00001.safetensors")
+    weight_map = {k: "model-00001-of-00001.safetensors" for k in names[1:]}
+    (model / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    return model
+
+
+def test_a_sharded_checkpoint_loads(checkpoint, tmp_path, capsys):
+    expected = run_main(capsys, checkpoint)
+    assert run_main(capsys, checkpoint, model=sharded(checkpoint, tmp_path)) == expected
+
+
+@pytest.mark.parametrize(
+    "index, words",
+    [
+        ("Too Many Requests", "index.json is not valid JSON"),
+        ('{"weight_map": ["model-1.safetensors"]}', '"weight_map" object'),
+        ('{"weight_map": {"a": 1}}', '"weight_map" object'),
+    ],
+)
+def test_a_damaged_index(checkpoint, tmp_path, capsys, index, words):
+    model = sharded(checkpoint, tmp_path)
+    (model / INDEX_FILE).write_text(index)
+    line = one_error_line(run_main(capsys, checkpoint, model=model), words)
+    assert str(model / INDEX_FILE) in line
+
+
+def test_size_as_one_number_in_preprocessor_config(checkpoint, tmp_path, capsys):
+    model = model_copy(checkpoint, tmp_path)
+    settings = json.loads((model / "preprocessor_config.json").read_text())
+    settings["size"] = 28
+    (model / "preprocessor_config.json").write_text(json.dumps(settings))
+    run = run_main(capsys, checkpoint, model=model)
+    one_error_line(run, "preprocessor_config.json", '"size": {"height": 28')
+
+
+def test_max_new_tokens_beyond_the_positions_is_refused_before_allocating(
+    checkpoint, capsys, monkeypatch
+):
+    import paligemma_lib.generation as generation
+
+    monkeypatch.setattr(
+        generation, "_buffers", lambda *a: pytest.fail("buffers were allocated")
+    )
+    run = run_main(capsys, checkpoint, "--max-new-tokens", "1000000000")
+    line = one_error_line(run, "over the model's 8192 positions")
+    assert re.search(r"ask for at most max_new_tokens=81\d\d$", line), line
+
+
+def test_a_prompt_longer_than_the_positions(checkpoint, capsys):
+    run = run_main(capsys, checkpoint, prompt="caption en " * 7000)
+    line = one_error_line(run, "for the model's 8192 positions")
+    prompt = int(re.search(r"the prompt is (\d+) tokens", line)[1])
+    assert prompt > 8192  # the real count, not a guess
+
+
+def test_nan_weights_are_reported_with_the_step(checkpoint, tmp_path, capsys):
+    model = model_copy(checkpoint, tmp_path)
+    with safe_open(model / "model.safetensors", "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    state["language_model.model.norm.weight"][3] = float("nan")
+    save_file(state, model / "model.safetensors", metadata={"format": "pt"})
+    run = run_main(capsys, checkpoint, model=model)
+    one_error_line(run, "logits for new token 1 are NaN or infinite")
+    assert run.stdout == ""  # no answer printed
+    loaded = load_pretrained(model)
+    processor = PaliGemmaProcessor.from_pretrained(model)
+    with pytest.raises(NonFiniteLogitsError, match="new token 1"):
+        answer(loaded, processor, checkpoint / "image.png", "caption en")
+
+
+def test_a_checkpoint_with_the_unused_pooling_head(checkpoint, tmp_path, capsys):
+    """transformers writes SigLIP's pooling head when vision_use_head is true: the
+    tensors are skipped with one note, and the answer is the one without them"""
+    model = model_copy(checkpoint, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    config["vision_config"]["vision_use_head"] = True
+    (model / "config.json").write_text(json.dumps(config))
+    with safe_open(model / "model.safetensors", "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    width = config["vision_config"]["hidden_size"]
+    for name, shape in [("probe", (1, 1, width)), ("layernorm.weight", (width,))]:
+        state[f"vision_tower.vision_model.head.{name}"] = torch.ones(shape)
+    save_file(state, model / "model.safetensors", metadata={"format": "pt"})
+    expected = run_main(capsys, checkpoint)
+    run = run_main(capsys, checkpoint, model=model)
+    assert run.returncode == 0 and run.stdout == expected.stdout
+    notes = run.stderr.strip().splitlines()
+    assert len(notes) == 1 and notes[0].startswith("note: ignoring the 2 tensors")
+    assert "vision_tower.vision_model.head.{layernorm.weight, probe}" in notes[0]
+
+
+def test_save_with_the_processor_then_the_cli_answers_the_same(
+    checkpoint, tmp_path, capsys
+):
+    model = load_pretrained(checkpoint / "model")
+    processor = PaliGemmaProcessor.from_pretrained(checkpoint / "model")
+    save_pretrained(model, tmp_path / "saved", processor=processor)
+    run = run_main(capsys, checkpoint, model=tmp_path / "saved")
+    assert run.returncode == 0, run.stderr
+    expected = answer(model, processor, checkpoint / "image.png", "caption en")
+    assert run.stdout == expected + "\n" == run_main(capsys, checkpoint).stdout
+
+
+def test_a_failing_save_leaves_the_folder_as_it_was(checkpoint, tmp_path, monkeypatch):
+    import paligemma_lib.weights as weights
+
+    folder = model_copy(checkpoint, tmp_path)
+    (folder / "README.md").write_text("my notes")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    torch.manual_seed(1)
+    other = PaliGemmaForConditionalGeneration(load_pretrained(folder).config)
+    written = []
+
+    def write_then_fail(self, text, *args, **kwargs):  # the second write: config.json
+        written.append(self.name)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weights.Path, "write_text", write_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        save_pretrained(other, folder)
+    monkeypatch.undo()
+    assert written == ["config.json"]  # the weights were written before it
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no staging left
+    save_pretrained(other, folder)  # and a save that succeeds replaces both
+    reloaded = load_pretrained(folder)
+    for (name, p), q in zip(other.named_parameters(), reloaded.parameters()):
+        assert torch.equal(p, q), name
+    assert (folder / "README.md").read_text() == "my notes"  # others' files stay
+
+
+def test_one_prompt_for_a_list_of_images(checkpoint):
+    model = load_pretrained(checkpoint / "model")
+    processor = PaliGemmaProcessor.from_pretrained(checkpoint / "model")
+    red, image = Image.new("RGB", (30, 20), "red"), checkpoint / "image.png"
+    texts = answer(model, processor, [image, red], "caption en", max_new_tokens=4)
+    alone = [
+        answer(model, processor, x, "caption en", max_new_tokens=4)
+        for x in [image, red]
+    ]
+    assert texts == alone
+    with pytest.raises(ValueError, match="prompt"):
+        answer(model, processor, [image, red], ["caption en"])
+
+
+def test_the_top_level_api_and_its_help():
+    import paligemma_lib.generation
+    import paligemma_lib.weights
+    from paligemma_lib import (  # noqa: F401
+        PaliGemmaProcessor,
+        __version__,
+        answer,
+        draw_boxes,
+        generate,
+        load_image,
+        load_pretrained,
+        save_pretrained,
+    )
+
+    assert draw_boxes.__module__ == "paligemma_lib.processing"
+    for module in (paligemma_lib.generation, paligemma_lib.weights):
+        assert module.__doc__ and "chapter" in module.__doc__, module
+    for argument in ("images", "prompts", "max_new_tokens", "do_sample", "Returns"):
+        assert argument in answer.__doc__, argument
+    for argument in ("images", "prompts", "suffixes", "padding_side", "max_length"):
+        assert argument in PaliGemmaProcessor.__call__.__doc__, argument

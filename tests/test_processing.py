@@ -23,6 +23,7 @@ from paligemma_lib.processing import (
     boxes_to_loc_string,
     coordinate_to_bin,
     default_tokenizer_path,
+    draw_boxes,
     parse_loc_tokens,
     tokenizer_corpus,
     train_tokenizer,
@@ -603,3 +604,16 @@ def test_parse_tolerates_segmentation_tokens_and_missing_labels():
 def test_bad_boxes_are_clear_errors(boxes, labels, words):
     with pytest.raises(ValueError, match=words):
         boxes_to_loc_string(boxes, 100, 100, labels)
+
+
+def test_draw_boxes():
+    image = Image.new("RGB", (200, 100), "white")
+    objects = parse_loc_tokens("<loc0256><loc0256><loc0768><loc0768> cat", 200, 100)
+    assert objects[0][1] == "cat" and objects[0][0] == pytest.approx(
+        (50, 25, 150, 75), abs=0.2
+    )
+    drawn = draw_boxes(image, objects)
+    assert drawn.getpixel((51, 50)) != (255, 255, 255) and drawn.getpixel(
+        (100, 60)
+    ) == (255, 255, 255)
+    assert image.getpixel((51, 50)) == (255, 255, 255)  # the input is not drawn on

@@ -12,10 +12,8 @@ from safetensors.torch import save_file
 
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
-from paligemma_lib.processing import parse_loc_tokens
 from paligemma_lib.weights import (
     CheckpointError,
-    draw_boxes,
     find_real_checkpoint,
     load_pretrained,
     our_name,
@@ -554,21 +552,6 @@ def test_find_real_checkpoint(theirs, tmp_path, monkeypatch):
     monkeypatch.setenv("PALIGEMMA_WEIGHTS", str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError):
         find_real_checkpoint()
-
-
-def test_draw_boxes():
-    from PIL import Image
-
-    image = Image.new("RGB", (200, 100), "white")
-    objects = parse_loc_tokens("<loc0256><loc0256><loc0768><loc0768> cat", 200, 100)
-    assert objects[0][1] == "cat" and objects[0][0] == pytest.approx(
-        (50, 25, 150, 75), abs=0.2
-    )
-    drawn = draw_boxes(image, objects)
-    assert drawn.getpixel((51, 50)) != (255, 255, 255) and drawn.getpixel(
-        (100, 60)
-    ) == (255, 255, 255)
-    assert image.getpixel((51, 50)) == (255, 255, 255)  # the input is not drawn on
 
 
 def make_hub_cache(cache, repo="models--google--paligemma-3b-pt-224"):
