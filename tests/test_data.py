@@ -1,0 +1,464 @@
+"""Chapter 11's synthetic worlds (paligemma_lib.data) against their specification."""
+
+import hashlib
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from collections import Counter
+from datetime import date
+
+import pytest
+import torch
+from PIL import Image, ImageChops
+
+from paligemma_lib.data import (
+    COLOURS,
+    GAP,
+    IMAGE_SIZE,
+    ITEMS,
+    KINDS,
+    MARGIN,
+    MIX_OFFSET,
+    OCR_ALPHABET,
+    SEEDS_PER_WORLD,
+    SIDES,
+    SPLITS,
+    STORES,
+    TASKS,
+    WORLD_OFFSETS,
+    WORLDS,
+    Collator,
+    Example,
+    SyntheticDataset,
+    box_gap,
+    layout_receipt,
+    load_font,
+    make_example,
+    place_boxes,
+    place_text,
+)
+from paligemma_lib.processing import (
+    GemmaTokenizer,
+    PaliGemmaBatch,
+    PaliGemmaProcessor,
+    default_tokenizer_path,
+    parse_loc_tokens,
+)
+
+SEEDS = SPLITS["validation"][:300]
+COLOUR = "(?:red|green|blue|yellow)"
+KIND = "(?:circle|square|triangle)"
+OBJECT = f"a {COLOUR} {KIND}"
+LOC4 = "(?:<loc\\d{4}>){4}"
+ANSWER = {
+    "caption": re.compile(f"{OBJECT}(?:(?:, {OBJECT})? and {OBJECT})?"),
+    "count": re.compile("[123]"),
+    "colour": re.compile(COLOUR),
+    "ocr": re.compile("[A-Z0-9]([A-Z0-9]*[. ]?[A-Z0-9]*)?[A-Z0-9]"),
+    "extract": re.compile(
+        '\\{"store":"(?:' + "|".join(STORES) + ')","date":"\\d{4}-\\d{2}-\\d{2}",'
+        '"total":"[1-9]?\\d\\.\\d{2}"\\}'
+    ),
+}
+PROMPT = {
+    "caption": re.compile("caption en"),
+    "count": re.compile("answer en how many shapes are there\\?"),
+    "colour": re.compile(f"answer en what color is the ({KIND})\\?"),
+    "detect": re.compile(f"detect ({KIND})"),
+    "ocr": re.compile("ocr"),
+    "extract": re.compile("extract json"),
+}
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    return [make_example("shapes", s) for s in SEEDS]
+
+
+@pytest.fixture(scope="module")
+def ocr():
+    return [make_example("ocr", s) for s in SEEDS]
+
+
+@pytest.fixture(scope="module")
+def receipts():
+    return [make_example("receipts", s) for s in SEEDS[:150]]
+
+
+def ink_box(image, level):
+    "Box (x0, y0, x1, y1), pixel edges, around the pixels that differ from grey `level`"
+    plain = Image.new("RGB", image.size, (level,) * 3)
+    return ImageChops.difference(image, plain).getbbox()
+
+
+# seeds and splits
+
+
+def test_splits_are_disjoint_and_inside_a_world():
+    ranges = sorted(SPLITS.values(), key=lambda r: r.start)
+    assert all(a.stop <= b.start for a, b in zip(ranges, ranges[1:]))
+    assert ranges[-1].stop <= SEEDS_PER_WORLD
+    assert set(SPLITS) == {"train", "validation", "test"}
+
+
+def test_worlds_and_mixing_never_share_a_generator_seed():
+    starts = sorted([*WORLD_OFFSETS.values(), MIX_OFFSET])
+    assert set(WORLD_OFFSETS) == set(WORLDS)
+    assert all(b - a >= SEEDS_PER_WORLD for a, b in zip(starts, starts[1:]))
+
+
+def test_seed_outside_the_range_is_an_error():
+    for seed in (-1, SEEDS_PER_WORLD, 1.5):
+        with pytest.raises(ValueError, match="must be an int"):
+            make_example("shapes", seed)
+    with pytest.raises(ValueError, match="unknown world"):
+        make_example("stars", 0)
+    with pytest.raises(ValueError, match="has no task 'ocr'"):
+        make_example("shapes", 0, task="ocr")
+
+
+def fingerprint(seeds=range(4)):
+    digest = hashlib.sha256()
+    for world in WORLDS:
+        for s in seeds:
+            ex = make_example(world, s)
+            digest.update(ex.image.tobytes() + f"{ex.prompt}\n{ex.answer}".encode())
+    return digest.hexdigest()
+
+
+def test_same_seed_same_example_whatever_the_global_generators():
+    first = fingerprint()
+    random.seed(1)
+    torch.manual_seed(1)
+    random.random()
+    assert fingerprint() == first
+
+
+def test_same_pixels_in_another_process():
+    "A fresh interpreter with another string-hash salt draws the same pixels"
+    code = "from tests.test_data import fingerprint; print(fingerprint())"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=root,
+    )
+    assert out.stdout.strip() == fingerprint()
+
+
+# hand-checked examples: the first test images, looked at in chapter 11's grid
+
+
+def test_hand_checked_examples():
+    test = SPLITS["test"]
+    ex = make_example("shapes", test[2])
+    assert (ex.task, ex.prompt, ex.answer) == (
+        "count",
+        "answer en how many shapes are there?",
+        "2",
+    )
+    assert ex.labels == ["green circle", "red triangle"]
+    assert ex.boxes == [(58, 107, 124, 173), (78, 14, 144, 80)]
+    ex = make_example("shapes", test[3])
+    assert (ex.prompt, ex.answer) == (
+        "caption en",
+        "a yellow circle and a yellow square",
+    )
+    ex = make_example("shapes", test[5])
+    assert ex.prompt == "detect circle"
+    assert ex.answer == (
+        "<loc0603><loc0224><loc0950><loc0571> circle ; "
+        "<loc0434><loc0685><loc0694><loc0945> circle"
+    )
+    assert ex.labels == ["yellow circle", "red circle", "green square"]
+    ex = make_example("shapes", test[7])
+    assert (ex.prompt, ex.answer) == ("answer en what color is the triangle?", "blue")
+    assert [make_example("ocr", test[i]).answer for i in (0, 2)] == ["OBI7", "YFU23PK"]
+    ex = make_example("receipts", test[0])
+    assert ex.prompt == "extract json"
+    assert ex.answer == '{"store":"DAILY DELI","date":"2024-12-05","total":"53.97"}'
+    assert (
+        ex.text
+        == "DAILY DELI\n2024-12-05\nSOAP 19.21\nTEA 14.94\nAPPLES 19.82\nTOTAL 53.97"
+    )
+
+
+# the shapes world
+
+
+def test_shapes_canvas_boxes_and_order(shapes):
+    for ex in shapes:
+        assert ex.image.size == (IMAGE_SIZE, IMAGE_SIZE) and ex.image.mode == "RGB"
+        level = ex.image.getpixel((0, 0))[0]
+        assert 210 <= level <= 250
+        assert 1 <= len(ex.boxes) == len(ex.labels) == len(set(ex.labels)) <= 3
+        for i, (x0, y0, x1, y1) in enumerate(ex.boxes):
+            assert x1 - x0 == y1 - y0 and SIDES[0] <= x1 - x0 <= SIDES[1]
+            assert min(x0, y0) >= MARGIN and max(x1, y1) <= IMAGE_SIZE - MARGIN
+            for b in ex.boxes[:i]:
+                assert box_gap(ex.boxes[i], b) >= GAP
+        centres = [(b[0] + b[2]) / 2 for b in ex.boxes]
+        assert centres == sorted(centres)
+
+
+def test_shapes_pixels_are_background_or_the_shapes_colour(shapes):
+    for ex in shapes[:100]:
+        level = ex.image.getpixel((0, 0))[0]
+        outside = ex.image.copy()
+        for (x0, y0, x1, y1), label in zip(ex.boxes, ex.labels):
+            colour, kind = label.split()
+            crop = ex.image.crop((x0, y0, x1, y1))
+            colours = {COLOURS[colour]} | (
+                {(level,) * 3} if kind != "square" else set()
+            )
+            assert {c for _, c in crop.getcolors()} == colours
+            # the shape touches its box on every side
+            assert ink_box(crop, level) == (0, 0, x1 - x0, y1 - y0)
+            centre = ((x0 + x1) // 2, (y0 + y1) // 2)
+            assert ex.image.getpixel(centre) == COLOURS[colour]
+            corner_colour = ex.image.getpixel((x0, y0))
+            assert (corner_colour == COLOURS[colour]) == (kind == "square")
+            outside.paste((level,) * 3, (x0, y0, x1, y1))
+        assert outside.getcolors() == [(IMAGE_SIZE**2, (level,) * 3)]
+
+
+def test_shapes_answers(shapes):
+    for ex in shapes:
+        assert ex.world == "shapes" and ex.task in TASKS["shapes"]
+        match = PROMPT[ex.task].fullmatch(ex.prompt)
+        assert match, ex.prompt
+        kinds = [label.split()[1] for label in ex.labels]
+        if ex.task == "caption":
+            assert ANSWER["caption"].fullmatch(ex.answer)
+            objects = [f"a {label}" for label in ex.labels]
+            expected = {
+                1: "{}",
+                2: "{} and {}",
+                3: "{}, {} and {}",
+            }[len(objects)].format(*objects)
+            assert ex.answer == expected
+        elif ex.task == "count":
+            assert ex.answer == str(len(ex.boxes))
+        elif ex.task == "colour":
+            kind = match.group(1)
+            assert kinds.count(kind) == 1, "asked only when the kind is unique"
+            assert ANSWER["colour"].fullmatch(ex.answer)
+            assert f"{ex.answer} {kind}" in ex.labels
+        else:
+            kind = match.group(1)
+            n = kinds.count(kind)
+            assert n >= 1
+            assert re.fullmatch(
+                f"{LOC4} {kind}(?: ; {LOC4} {kind}){{{n - 1}}}", ex.answer
+            )
+
+
+def test_detect_boxes_parse_back_within_half_a_bin(shapes):
+    half_bin = IMAGE_SIZE / 2046
+    detections = [ex for ex in shapes if ex.task == "detect"]
+    assert len(detections) > 50
+    for ex in detections:
+        kind = ex.prompt.split()[1]
+        truth = [b for b, label in zip(ex.boxes, ex.labels) if label.endswith(kind)]
+        parsed = parse_loc_tokens(ex.answer, IMAGE_SIZE, IMAGE_SIZE)
+        assert [label for _, label in parsed] == [kind] * len(truth)
+        for (box, _), true_box in zip(parsed, truth):
+            assert max(abs(a - b) for a, b in zip(box, true_box)) <= half_bin + 1e-9
+
+
+def test_colour_question_never_without_a_unique_kind():
+    for s in range(2000):
+        ex = make_example("shapes", s)
+        kinds = [label.split()[1] for label in ex.labels]
+        if not any(kinds.count(k) == 1 for k in KINDS):
+            assert ex.task != "colour"
+            forced = make_example("shapes", s, task="colour")  # the next scene
+            kind = forced.prompt.split()[-1][:-1]
+            assert [label.split()[1] for label in forced.labels].count(kind) == 1
+            return
+    raise AssertionError("no scene without a unique kind in 2000 seeds")
+
+
+def test_task_chosen_uniformly_and_asking_for_it_changes_nothing(shapes):
+    counts = Counter(ex.task for ex in shapes)
+    assert set(counts) == set(TASKS["shapes"])
+    assert all(50 <= c <= 100 for c in counts.values()), counts  # ~75 each of 300
+    for ex in shapes[:40]:
+        assert make_example("shapes", ex.seed, task=ex.task) == ex
+    counts = Counter(len(ex.boxes) for ex in shapes)
+    assert all(70 <= c <= 130 for c in counts.values()), counts
+
+
+def test_place_boxes_gives_up_with_a_clear_error():
+    rng = random.Random(0)
+    for _ in range(100):
+        try:
+            place_boxes(rng, 3, tries=1)
+        except RuntimeError as e:
+            assert "no layout of 3 boxes" in str(e) and "1 tries" in str(e)
+            return
+    raise AssertionError("no 3-box layout failed in 100 single tries")
+
+
+# the OCR world
+
+
+def test_ocr_text_is_in_the_alphabet_and_fully_visible(ocr):
+    separators = Counter()
+    for ex in ocr:
+        assert ex.task == "ocr" and ex.prompt == "ocr" and ex.answer == ex.text
+        assert 2 <= len(ex.answer) <= 8 and ANSWER["ocr"].fullmatch(ex.answer)
+        assert set(ex.answer) <= set(OCR_ALPHABET + ". ")
+        inner = [c for c in ex.answer if c in ". "]
+        assert len(inner) <= 1
+        separators[inner[0] if inner else ""] += 1
+        level = ex.image.getpixel((0, 0))[0]
+        assert 225 <= level <= 255
+        ink = ink_box(ex.image, level)
+        assert ink is not None, "the text is drawn"
+        (bx0, by0, bx1, by1) = ex.boxes[0]
+        assert bx0 <= ink[0] and by0 <= ink[1] and ink[2] <= bx1 and ink[3] <= by1
+        assert min(bx0, by0) >= MARGIN and max(bx1, by1) <= IMAGE_SIZE - MARGIN
+        darkest = min(c[0] for _, c in ex.image.getcolors(IMAGE_SIZE**2))
+        assert darkest <= 60
+    assert separators[""] > separators["."] > 30 and separators[" "] > 30
+
+
+def test_text_too_wide_is_an_error_not_a_clip():
+    with pytest.raises(ValueError, match="would be clipped"):
+        place_text(random.Random(0), "W" * 12, load_font(40))
+
+
+# the receipts world
+
+
+def test_receipts_answer_is_exact_json(receipts):
+    for ex in receipts:
+        assert ex.task == "extract" and ex.prompt == "extract json"
+        assert ANSWER["extract"].fullmatch(ex.answer), ex.answer
+        fields = json.loads(ex.answer)
+        assert list(fields) == ["store", "date", "total"] and fields == ex.fields
+        assert ex.answer == json.dumps(fields, separators=(",", ":"))
+        lines = ex.text.split("\n")
+        assert lines[0] == fields["store"] in STORES
+        assert lines[1] == fields["date"]
+        year, month, day = map(int, fields["date"].split("-"))
+        assert 2020 <= year <= 2026 and date(year, month, day)  # a real date
+        items = [line.rsplit(" ", 1) for line in lines[2:-1]]
+        assert 1 <= len(items) <= 3 and len({n for n, _ in items}) == len(items)
+        assert all(n in ITEMS and 50 <= round(float(p) * 100) <= 2999 for n, p in items)
+        cents = sum(int(p.replace(".", "")) for _, p in items)
+        assert fields["total"] == f"{cents // 100}.{cents % 100:02d}"
+        assert lines[-1] == f"TOTAL {fields['total']}"
+
+
+def test_receipts_canvas_and_ink(receipts):
+    for ex in receipts:
+        level = ex.image.getpixel((0, 0))[0]
+        assert 245 <= level <= 255
+        x0, y0, x1, y1 = ink_box(ex.image, level)
+        assert min(x0, y0) >= MARGIN and max(x1, y1) <= IMAGE_SIZE - MARGIN
+        assert (0, 0, 0) in {c for _, c in ex.image.getcolors(IMAGE_SIZE**2)}
+
+
+def test_receipt_line_too_wide_is_redrawn_not_clipped():
+    assert layout_receipt([("A VERY LONG STORE NAME", "", True)], 20, 8, 8) is None
+    assert layout_receipt([("BREAD", "1.00", False)], 20, 8, 8) is not None
+    tallest = [("GREEN GROCER", "", True), ("2020-12-31", "", False)]
+    tallest += [("YOGURT", "29.99", False)] * 3 + [("TOTAL", "89.97", True)]
+    for size in (18, 19, 20):  # the worst case fits at every size
+        assert layout_receipt(tallest, size, 16, IMAGE_SIZE - 8 - 6 * (size + 6))
+
+
+# tokens
+
+
+def test_answers_and_prompts_need_no_unknown_piece():
+    tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
+    longest = Counter()
+    for world in WORLDS:
+        for s in SEEDS[:200]:
+            ex = make_example(world, s)
+            for what, text in (("prompt", ex.prompt), ("answer", ex.answer)):
+                ids = tokenizer.encode(text, add_bos=False)
+                assert tokenizer.unk_id not in ids and tokenizer.decode(ids) == text
+                longest[world, what] = max(longest[world, what], len(ids))
+    assert max(longest[w, "prompt"] for w in WORLDS) <= 14
+    assert max(longest[w, "answer"] for w in WORLDS) <= 45
+
+
+# Dataset and Collator
+
+
+def test_dataset_items_and_mixing():
+    mix = SyntheticDataset({"ocr": 0.3, "shapes": 0.7}, split="validation", size=400)
+    assert len(mix) == 400 and mix.worlds == ["shapes", "ocr"]
+    image, prompt, answer = mix[0]
+    assert isinstance(image, Image.Image) and isinstance(prompt, str)
+    assert isinstance(answer, str)
+    worlds = Counter(mix.world(i) for i in range(len(mix)))
+    assert 240 <= worlds["shapes"] <= 320 and worlds["shapes"] + worlds["ocr"] == 400
+    for i in range(10):
+        ex = mix.example(i)
+        assert isinstance(ex, Example) and ex.seed == SPLITS["validation"][i]
+        assert ex == make_example(mix.world(i), SPLITS["validation"][i])
+    assert mix.example(-1) == mix.example(399)
+    # same weights in another order: the same data set
+    same = SyntheticDataset({"shapes": 0.7, "ocr": 0.3}, split="validation", size=400)
+    assert [same.world(i) for i in range(50)] == [mix.world(i) for i in range(50)]
+
+
+def test_dataset_task_and_errors():
+    detect = SyntheticDataset("shapes", split="test", size=20, task="detect")
+    assert all(detect.example(i).task == "detect" for i in range(20))
+    assert len(SyntheticDataset("ocr", split="test")) == len(SPLITS["test"])
+    with pytest.raises(IndexError):
+        detect[20]
+    with pytest.raises(ValueError, match="unknown worlds"):
+        SyntheticDataset({"stars": 1.0})
+    with pytest.raises(ValueError, match="positive"):
+        SyntheticDataset({"shapes": 1.0, "ocr": 0.0})
+    with pytest.raises(ValueError, match="unknown split"):
+        SyntheticDataset("shapes", split="dev")
+    with pytest.raises(ValueError, match="seeds"):
+        SyntheticDataset("shapes", split="test", size=10**5)
+    with pytest.raises(ValueError, match="single world"):
+        SyntheticDataset({"shapes": 1, "ocr": 1}, task="ocr")
+
+
+def test_collator_labels_only_on_the_answers():
+    processor = PaliGemmaProcessor(GemmaTokenizer.from_file(default_tokenizer_path()))
+    data = SyntheticDataset({"shapes": 0.5, "ocr": 0.5}, split="validation", size=6)
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=6, collate_fn=Collator(processor)
+    )
+    batch = next(iter(loader))
+    assert isinstance(batch, PaliGemmaBatch)
+    B, S = batch.input_ids.shape
+    assert B == 6 and batch.pixel_values.shape == (6, 3, 224, 224)
+    for b in range(B):
+        _, prompt, answer = data[b]
+        prefix = processor.encode_prefix(prompt)
+        suffix = processor.encode_suffix(answer)
+        n = len(prefix) + len(suffix)
+        assert batch.input_ids[b, :n].tolist() == prefix + suffix
+        assert (batch.labels[b, : len(prefix)] == -100).all()
+        assert batch.labels[b, len(prefix) : n].tolist() == suffix
+        assert (batch.labels[b, n:] == -100).all()
+        assert batch.attention_mask[b].tolist() == [1] * n + [0] * (S - n)  # right
+        assert batch.token_type_ids[b].tolist() == (
+            [0] * len(prefix) + [1] * len(suffix) + [0] * (S - n)
+        )
+    assert batch.attention_mask[:, -1].any()  # padded to the longest, no further
+    with pytest.raises(ValueError, match="empty batch"):
+        Collator(processor)([])
+    with pytest.raises(ValueError):
+        Collator(processor, max_length=processor.num_image_tokens + 3)([data[0]])
