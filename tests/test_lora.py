@@ -336,7 +336,9 @@ def _tensors(folder):
 
 OLD_SPELLING = {  # transformers 4.x, as adapters on the Hub are saved
     "base_model.model.model.language_model.": "base_model.model.language_model.model.",
-    "base_model.model.model.vision_tower.": "base_model.model.vision_tower.vision_model.",
+    "base_model.model.model.vision_tower.": (
+        "base_model.model.vision_tower.vision_model."
+    ),
     "base_model.model.model.multi_modal_projector.": (
         "base_model.model.multi_modal_projector."
     ),
