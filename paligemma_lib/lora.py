@@ -24,7 +24,7 @@ from torch import nn
 from .weights import our_name
 
 # %% ../book/10_lora.ipynb #c020
-# Gemma's attention and MLP projections, the target list most PaliGemma recipes use
+# Gemma's attention and MLP projections (in SigLIP, q_proj, k_proj and v_proj match too)
 DEFAULT_TARGETS = [
     "q_proj",
     "k_proj",
