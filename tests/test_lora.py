@@ -1,0 +1,527 @@
+"""Chapter 10: LoRA. Target matching against PEFT's own matcher, parameter counts
+against PEFT's, merge and unmerge, adapters both ways between us and PEFT on
+transformers' PaliGemma, and the errors."""
+
+import copy
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+from hf_reference import transformers_pair
+from peft.tuners.tuners_utils import check_target_module_exists
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
+from paligemma_lib.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    DEFAULT_TARGETS,
+    LoraConfig,
+    LoraLinear,
+    add_lora,
+    count_parameters,
+    load_adapter,
+    lora_modules,
+    lora_state_dict,
+    matches,
+    merge_lora,
+    save_adapter,
+    unmerge_lora,
+)
+from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
+from paligemma_lib.weights import save_pretrained
+
+IMAGE = 299
+LANGUAGE_ONLY = (
+    r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    "Tiny models: one thread is faster, and stays fast on busy cores"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def config(heads=4, kv_heads=1):
+    return PaliGemmaConfig(
+        vision=VisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=28,
+            patch_size=14,
+        ),
+        text=TextConfig(
+            vocab_size=300,
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=16,
+        ),
+        image_token_index=IMAGE,
+        projection_dim=48,
+    )
+
+
+ATTENTION = {"MQA": config(4, 1), "GQA": config(4, 2)}
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat(
+        [
+            torch.full((2, 4), IMAGE),
+            torch.tensor([[2], [2]]),
+            torch.randint(3, 280, (2, 5), generator=g),
+        ],
+        1,
+    )
+    return dict(
+        input_ids=ids,
+        pixel_values=torch.randn(2, 3, 28, 28, generator=g),
+        attention_mask=torch.ones_like(ids),
+        token_type_ids=torch.cat([torch.zeros(2, 7), torch.ones(2, 3)], 1).long(),
+    )
+
+
+def logits(model, seed=0):
+    with torch.no_grad():
+        return model.eval()(**inputs(seed)).logits
+
+
+def randomise_lora_B(named_parameters, seed=1, std=0.3):
+    "A fresh adapter is a no-op (B = 0): give B values, as training would"
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in named_parameters:
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+@pytest.fixture(scope="module")
+def meta_3b():
+    "Our PaliGemma-3B and transformers' on meta: names and shapes, no memory"
+    with torch.device("meta"):
+        ours = PaliGemmaForConditionalGeneration(PaliGemmaConfig())
+        hf_config = transformers.PaliGemmaConfig(**PaliGemmaConfig().to_hf())
+        theirs = transformers.PaliGemmaForConditionalGeneration(hf_config)
+    return ours, theirs
+
+
+# ---------------------------------------------------------------- target matching
+
+SPECS = [
+    DEFAULT_TARGETS,
+    ["q_proj"],
+    ["self_attn.q_proj", "mlp.fc1"],
+    ["language_model.model.layers.3.mlp.up_proj"],
+    ["model.language_model.layers.3.mlp.up_proj"],
+    ["proj", "_proj", "q"],
+    ["layers.0.self_attn.q_proj"],
+    ["linear"],
+    LANGUAGE_ONLY,
+    r"q_proj",
+    r".*q_proj",
+    r".*\.layers\.1\d\..*_proj",
+    r"(vision_tower|model\.vision_tower).*\.(fc1|fc2)",
+    r".*multi_modal_projector.*",
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_matching_is_peft_matching(spec, meta_3b):
+    ours, theirs = meta_3b
+    names = [n for n, _ in ours.named_modules()] + [
+        n for n, _ in theirs.named_modules()
+    ]
+    names += ["q_proj", "my_q_proj", "a.my_q_proj", "a.q_proj.b", "xq_proj", ""]
+    peft_config = peft.LoraConfig(target_modules=spec)
+    for name in names:
+        assert matches(spec, name) == bool(
+            check_target_module_exists(peft_config, name)
+        ), (spec, name)
+
+
+# ---------------------------------------------------------------- counts
+
+
+@pytest.mark.parametrize(
+    "targets", [DEFAULT_TARGETS, LANGUAGE_ONLY], ids=["default", "text"]
+)
+def test_counts_at_3b_equal_peft(targets):
+    with torch.device("meta"):
+        ours = PaliGemmaForConditionalGeneration(PaliGemmaConfig())
+        hf_config = transformers.PaliGemmaConfig(**PaliGemmaConfig().to_hf())
+        theirs = transformers.PaliGemmaForConditionalGeneration(hf_config)
+    wrapped = add_lora(ours, LoraConfig(r=8, alpha=16, target_modules=targets))
+    theirs = peft.get_peft_model(
+        theirs, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets)
+    )
+    assert count_parameters(ours) == theirs.get_nb_trainable_parameters()
+    text_only = 18 * 8 * (4 * 2048 + 2 * (2048 + 256) + 3 * (2048 + 16384))
+    vision = 27 * 3 * 8 * 2 * 1152  # q_proj, k_proj, v_proj of SigLIP
+    expected = text_only + vision if targets == DEFAULT_TARGETS else text_only
+    assert count_parameters(ours)[0] == expected
+    assert len(wrapped) == (207 if targets == DEFAULT_TARGETS else 126)
+
+
+def test_add_lora_freezes_all_but_adapters_and_keeps_dtypes():
+    model = PaliGemmaForConditionalGeneration(config()).to(torch.bfloat16)
+    names = add_lora(model, LoraConfig(r=4, target_modules=["q_proj", "fc2"]))
+    assert len(names) == 2 * 2 + 2  # q_proj in both stacks, fc2 in SigLIP
+    for name, p in model.named_parameters():
+        is_lora = ".lora_A." in name or ".lora_B." in name
+        assert p.requires_grad == is_lora, name
+        assert p.dtype == (torch.float32 if is_lora else torch.bfloat16), name
+    trainable, total = count_parameters(model)
+    assert trainable == sum(
+        4 * (m.base_layer.in_features + m.base_layer.out_features)
+        for m in lora_modules(model).values()
+    )
+    assert total == sum(p.numel() for p in model.parameters())
+    out = model(**{**inputs(), "pixel_values": inputs()["pixel_values"].bfloat16()})
+    assert out.logits.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- the wrapper
+
+
+def test_lora_linear_wraps_without_copying():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(20, 12)
+    lora = LoraLinear(linear, r=3, alpha=6)
+    x = torch.randn(4, 20)
+    assert lora.base_layer is linear
+    assert torch.equal(lora(x), linear(x))  # B = 0
+    assert torch.count_nonzero(lora.lora_A.weight) == 3 * 20
+    torch.nn.init.normal_(lora.lora_B.weight)
+    delta = lora.lora_B.weight @ lora.lora_A.weight * 2.0
+    torch.testing.assert_close(lora(x), linear(x) + x @ delta.T)
+    torch.testing.assert_close(lora.delta_weight(), delta)
+
+
+def test_dropout_only_on_the_lora_path():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(20, 12)
+    lora = LoraLinear(linear, r=3, alpha=3, dropout=0.9).train()
+    x = torch.randn(64, 20)
+    assert torch.equal(lora(x), linear(x))  # B = 0: dropout cannot reach the base
+    torch.nn.init.normal_(lora.lora_B.weight)
+    torch.manual_seed(3)
+    out = lora(x)
+    torch.manual_seed(3)
+    dropped = torch.nn.functional.dropout(x, 0.9)
+    expected = linear(x) + dropped @ (lora.lora_B.weight @ lora.lora_A.weight).T
+    torch.testing.assert_close(out, expected)
+
+
+# ---------------------------------------------------------------- merge and unmerge
+
+
+@pytest.mark.parametrize(
+    "dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, None)], ids=["fp32", "bf16"]
+)
+def test_merge_then_unmerge(dtype, atol):
+    torch.manual_seed(0)
+    reference = PaliGemmaForConditionalGeneration(config())
+    add_lora(reference, LoraConfig(r=4, alpha=8))
+    randomise_lora_B(reference.named_parameters())
+    model = copy.deepcopy(reference)
+    for name, p in model.named_parameters():
+        if "lora_" not in name:
+            p.data = p.data.to(dtype)
+    x = {**inputs(), "pixel_values": inputs()["pixel_values"].to(dtype)}
+    with torch.no_grad():
+        ref = reference(**inputs()).logits
+        unmerged = model(**x).logits.float()
+        adapters = merge_lora(model)
+        merged = model(**x).logits.float()
+    assert not lora_modules(model) and model.merged_lora is adapters
+    assert all(type(m) is not LoraLinear for m in model.modules())
+    if atol is None:  # two bf16 steps at the size of the largest logit
+        atol = 2 * torch.finfo(dtype).eps * 2 ** ref.abs().max().log2().floor().item()
+    for a, b in [(merged, unmerged), (merged, ref), (unmerged, ref)]:
+        torch.testing.assert_close(a, b, atol=atol, rtol=0)
+    unmerge_lora(model)
+    assert set(lora_modules(model)) == set(adapters) and not hasattr(
+        model, "merged_lora"
+    )
+    eps = torch.finfo(dtype).eps
+    for name, lora in lora_modules(reference).items():
+        original = lora.base_layer.weight.to(dtype).float()
+        restored = model.get_submodule(name).base_layer.weight.float()
+        bound = eps * (original.abs() + lora.delta_weight().abs())
+        assert ((restored - original).abs() <= bound).all(), name
+
+
+def test_merged_model_saves_for_transformers(tmp_path):
+    ours, theirs = transformers_pair(config(), seed=0)
+    add_lora(ours, LoraConfig(r=4, alpha=8))
+    randomise_lora_B(ours.named_parameters())
+    with_adapter = logits(ours)
+    merge_lora(ours)
+    save_pretrained(ours, tmp_path)
+    loaded = transformers.PaliGemmaForConditionalGeneration.from_pretrained(tmp_path)
+    torch.testing.assert_close(logits(loaded), with_adapter, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- PEFT round trips
+
+ROUND_TRIP_TARGETS = {
+    "default": DEFAULT_TARGETS,  # q/k/v of SigLIP too
+    "vision": ["out_proj", "fc1", "fc2", "multi_modal_projector.linear"],
+    "regex": r".*language_model.*\.(k_proj|down_proj)|.*vision_tower.*\.(q_proj|fc2)",
+}
+
+
+@pytest.mark.parametrize("targets", ROUND_TRIP_TARGETS, ids=str)
+@pytest.mark.parametrize("attention", ATTENTION, ids=str)
+def test_our_adapter_loads_into_peft(attention, targets, tmp_path):
+    ours, theirs = transformers_pair(ATTENTION[attention], seed=0)
+    names = add_lora(
+        ours, LoraConfig(r=4, alpha=12, target_modules=ROUND_TRIP_TARGETS[targets])
+    )
+    randomise_lora_B(ours.named_parameters())
+    save_adapter(ours, tmp_path)
+    theirs = peft.PeftModel.from_pretrained(theirs, tmp_path)
+    peft_names = {
+        n.removeprefix("base_model.model.")
+        for n, m in theirs.named_modules()
+        if isinstance(m, peft.tuners.lora.LoraLayer)
+    }
+    assert len(peft_names) == len(names)
+    # loaded for inference, PEFT's adapter is frozen: compare the totals
+    assert count_parameters(ours)[1] == theirs.get_nb_trainable_parameters()[1]
+    torch.testing.assert_close(logits(theirs), logits(ours), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("targets", ROUND_TRIP_TARGETS, ids=str)
+@pytest.mark.parametrize("attention", ATTENTION, ids=str)
+def test_peft_adapter_loads_into_ours(attention, targets, tmp_path):
+    ours, theirs = transformers_pair(ATTENTION[attention], seed=0)
+    before = logits(ours)
+    theirs = peft.get_peft_model(
+        theirs,
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=ROUND_TRIP_TARGETS[targets]),
+    )
+    randomise_lora_B(theirs.named_parameters())
+    theirs.save_pretrained(tmp_path)
+    names = load_adapter(ours, tmp_path)
+    assert count_parameters(ours) == theirs.get_nb_trainable_parameters()
+    expected = logits(theirs)
+    assert not torch.allclose(expected, before, atol=1e-2)  # the adapter matters
+    torch.testing.assert_close(logits(ours), expected, atol=1e-4, rtol=1e-4)
+    # saved again by us, the same tensors under the same names
+    save_adapter(ours, tmp_path / "again")
+    assert _tensors(tmp_path / "again").keys() == _tensors(tmp_path).keys()
+    for key, t in _tensors(tmp_path).items():
+        assert torch.equal(_tensors(tmp_path / "again")[key], t), key
+    assert len(names) == len(lora_modules(ours))
+
+
+def _tensors(folder):
+    with safe_open(folder / ADAPTER_WEIGHTS, framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}
+
+
+OLD_SPELLING = {  # transformers 4.x, as adapters on the Hub are saved
+    "base_model.model.model.language_model.": "base_model.model.language_model.model.",
+    "base_model.model.model.vision_tower.": (
+        "base_model.model.vision_tower.vision_model."
+    ),
+    "base_model.model.model.multi_modal_projector.": (
+        "base_model.model.multi_modal_projector."
+    ),
+}
+
+
+def test_transformers_4_spelling_loads(tmp_path):
+    ours, theirs = transformers_pair(config(), seed=0)
+    theirs = peft.get_peft_model(
+        theirs,
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "fc1", "linear"]),
+    )
+    randomise_lora_B(theirs.named_parameters())
+    theirs.save_pretrained(tmp_path / "new")
+    old = tmp_path / "old"
+    old.mkdir()
+    renamed = {}
+    for key, t in _tensors(tmp_path / "new").items():
+        prefix = next(p for p in OLD_SPELLING if key.startswith(p))
+        renamed[OLD_SPELLING[prefix] + key[len(prefix) :]] = t
+    assert any(
+        k.startswith("base_model.model.vision_tower.vision_model.") for k in renamed
+    )
+    save_file(renamed, old / ADAPTER_WEIGHTS)
+    (old / ADAPTER_CONFIG).write_text((tmp_path / "new" / ADAPTER_CONFIG).read_text())
+    load_adapter(ours, old)
+    torch.testing.assert_close(logits(ours), logits(theirs), atol=1e-4, rtol=1e-4)
+
+
+def test_a_regex_in_our_spelling_is_saved_as_names_peft_matches(tmp_path):
+    ours, theirs = transformers_pair(config(), seed=0)
+    regex = r"language_model\.model\.layers\.0\.self_attn\.(q|v)_proj"  # ours only
+    add_lora(ours, LoraConfig(r=4, target_modules=regex))
+    randomise_lora_B(ours.named_parameters())
+    save_adapter(ours, tmp_path)
+    written = json.loads((tmp_path / ADAPTER_CONFIG).read_text())["target_modules"]
+    assert written == [
+        "model.language_model.layers.0.self_attn.q_proj",
+        "model.language_model.layers.0.self_attn.v_proj",
+    ]
+    theirs = peft.PeftModel.from_pretrained(theirs, tmp_path)
+    torch.testing.assert_close(logits(theirs), logits(ours), atol=1e-4, rtol=1e-4)
+
+
+def test_lora_state_dict_holds_only_adapters():
+    model = PaliGemmaForConditionalGeneration(config())
+    names = add_lora(model, LoraConfig(r=2, target_modules=["v_proj"]))
+    state = lora_state_dict(model)
+    assert sorted(state) == sorted(
+        f"{n}.{part}.weight" for n in names for part in ("lora_A", "lora_B")
+    )
+
+
+# ---------------------------------------------------------------- errors
+
+
+def error(call, *args, **kwargs) -> str:
+    with pytest.raises(ValueError) as caught:
+        call(*args, **kwargs)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("r", [0, -1, 2.5, True])
+def test_rank_below_one_is_refused(r):
+    assert f"r={r!r}" in error(LoraConfig, r=r)
+
+
+def test_targets_that_match_nothing_are_refused():
+    model = PaliGemmaForConditionalGeneration(config())
+    message = error(add_lora, model, LoraConfig(target_modules=["q_proj", "qproj"]))
+    assert "'qproj'" in message and "q_proj" in message  # and the names there are
+    message = error(add_lora, model, LoraConfig(target_modules=r"q_proj"))
+    assert "'q_proj' matches no module" in message
+    assert not lora_modules(model)  # nothing was changed
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_targets_that_are_not_linear_are_refused():
+    model = PaliGemmaForConditionalGeneration(config())
+    message = error(add_lora, model, LoraConfig(target_modules=["embed_tokens"]))
+    assert "language_model.model.embed_tokens, a Embedding" in message
+    message = error(add_lora, model, LoraConfig(target_modules=r".*layers\.0\.mlp"))
+    assert "not an nn.Linear" in message
+    message = error(add_lora, model, LoraConfig(target_modules=["lm_head"]))
+    assert "tied to language_model.model.embed_tokens.weight" in message
+
+
+def test_adding_twice_is_refused(tmp_path):
+    model = PaliGemmaForConditionalGeneration(config())
+    add_lora(model, LoraConfig(target_modules=["q_proj"]))
+    assert "already has LoRA adapters" in error(add_lora, model, LoraConfig())
+    save_adapter(model, tmp_path)
+    assert "already has LoRA adapters" in error(load_adapter, model, tmp_path)
+
+
+def test_merge_and_unmerge_need_adapters():
+    model = PaliGemmaForConditionalGeneration(config())
+    assert "no LoRA adapters to merge" in error(merge_lora, model)
+    assert "no merged adapters" in error(unmerge_lora, model)
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("adapter")
+    _, theirs = transformers_pair(config(), seed=0)
+    theirs = peft.get_peft_model(
+        theirs, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "fc2"])
+    )
+    theirs.save_pretrained(folder)
+    return folder
+
+
+def edited_adapter(source, target, config_changes=None, tensors=None):
+    target.mkdir()
+    config = json.loads((source / ADAPTER_CONFIG).read_text())
+    (target / ADAPTER_CONFIG).write_text(
+        json.dumps({**config, **(config_changes or {})})
+    )
+    save_file(
+        tensors if tensors is not None else _tensors(source), target / ADAPTER_WEIGHTS
+    )
+    return target
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"use_dora": True}, "use_dora=True"),
+        ({"use_rslora": True}, "use_rslora=True"),
+        ({"bias": "all"}, "bias='all'"),
+        ({"bias": "lora_only"}, "bias='lora_only'"),
+        ({"rank_pattern": {"q_proj": 8}}, "rank_pattern="),
+        ({"alpha_pattern": {"q_proj": 8}}, "alpha_pattern="),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save="),
+        ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+    ],
+    ids=str,
+)
+def test_unsupported_adapter_settings_are_refused(
+    change, named, peft_adapter, tmp_path
+):
+    folder = edited_adapter(peft_adapter, tmp_path / "edited", change)
+    model = PaliGemmaForConditionalGeneration(config())
+    message = error(load_adapter, model, folder)
+    assert named in message and "adapter_config.json" in message
+    assert not lora_modules(model)
+
+
+def test_unknown_key_and_wrong_shape_are_refused(peft_adapter, tmp_path):
+    tensors = _tensors(peft_adapter)
+    model = PaliGemmaForConditionalGeneration(config())
+    key = (
+        "base_model.model.model.language_model.layers.5.self_attn.q_proj.lora_A.weight"
+    )
+    folder = edited_adapter(
+        peft_adapter, tmp_path / "deeper", tensors={**tensors, key: torch.zeros(4, 48)}
+    )
+    assert key in error(load_adapter, model, folder)
+    key = (
+        "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_M.weight"
+    )
+    folder = edited_adapter(
+        peft_adapter, tmp_path / "unknown", tensors={**tensors, key: torch.zeros(4, 48)}
+    )
+    assert key in error(load_adapter, model, folder)
+    key = (
+        "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight"
+    )
+    folder = edited_adapter(
+        peft_adapter, tmp_path / "shape", tensors={**tensors, key: torch.zeros(4, 47)}
+    )
+    message = error(load_adapter, model, folder)
+    assert key in message and "[4, 47]" in message and "[4, 48]" in message
+    folder = edited_adapter(peft_adapter, tmp_path / "rank", {"r": 8})
+    assert "r=8" in error(load_adapter, model, folder)
+    key_B = key.replace("lora_A", "lora_B")
+    folder = edited_adapter(
+        peft_adapter,
+        tmp_path / "half",
+        tensors={k: t for k, t in tensors.items() if k != key_B},
+    )
+    assert (
+        "no lora_B weight for language_model.model.layers.0.self_attn.q_proj"
+        in error(load_adapter, model, folder)
+    )
+    assert not lora_modules(model)  # nothing was changed by the refused files
