@@ -1,7 +1,10 @@
 # Hand-written CLI wiring, not exported from a notebook: it parses, then calls the lib.
-"""Command line: answer one prompt about one image.
+"""Command line: answer one prompt about one image; train; evaluate.
 
     python -m paligemma_lib generate --model DIR --image PATH --prompt "caption en"
+    python -m paligemma_lib train --config nano --out DIR --steps N [--resume]
+    torchrun --nproc_per_node 2 -m paligemma_lib train ...      # DDP
+    python -m paligemma_lib evaluate --model DIR --world shapes --split test
 
 Bad input (a missing file, an unreadable image, a folder that is not a checkpoint)
 ends with one line on stderr and exit status 1, not a traceback."""
@@ -28,8 +31,12 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupted)
 
 import argparse
+import json
 import math
+import platform
+import time
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -38,6 +45,7 @@ from safetensors import SafetensorError
 
 from . import __version__
 from .generation import answer
+from .paligemma import PaliGemmaForConditionalGeneration
 from .processing import (
     PaliGemmaProcessor,
     draw_boxes,
@@ -105,7 +113,248 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="OUT.png",
         help="for detect prompts: save the image with the boxes",
     )
+    add_train_parser(commands)
+    add_evaluate_parser(commands)
     return parser.parse_args(argv)
+
+
+WORLDS = ("shapes", "ocr", "receipts")
+
+
+def add_train_parser(commands) -> None:
+    tr = commands.add_parser(
+        "train", help="train a model from scratch on the synthetic worlds"
+    )
+    tr.add_argument(
+        "--config", required=True, help="model size: nano, or tiny (for tests)"
+    )
+    tr.add_argument(
+        "--out", required=True, help="output folder: the model, checkpoints, record"
+    )
+    tr.add_argument("--steps", type=int, required=True, help="optimiser steps")
+    tr.add_argument(
+        "--batch-size", type=int, default=32, help="global batch (all processes)"
+    )
+    tr.add_argument(
+        "--accumulation", type=int, default=1, help="micro-batches per step"
+    )
+    tr.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    tr.add_argument("--warmup-steps", type=int, default=None, help="default: steps/20")
+    tr.add_argument("--min-lr-ratio", type=float, default=0.1)
+    tr.add_argument("--weight-decay", type=float, default=0.1)
+    tr.add_argument("--max-grad-norm", type=float, default=1.0)
+    tr.add_argument(
+        "--worlds",
+        default="shapes=0.7,ocr=0.3",
+        help="the training mix, e.g. shapes=0.7,ocr=0.3",
+    )
+    tr.add_argument(
+        "--train-size", type=int, default=100_000, help="examples in the train split"
+    )
+    tr.add_argument(
+        "--eval-size", type=int, default=64, help="validation examples per evaluation"
+    )
+    tr.add_argument("--eval-every", type=int, default=0, help="0: at the end only")
+    tr.add_argument("--save-every", type=int, default=0, help="0: at the end only")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--gradient-checkpointing", action="store_true")
+    tr.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint"
+    )
+    tr.add_argument("--device", default="auto")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_evaluate_parser(commands) -> None:
+    ev = commands.add_parser("evaluate", help="the metrics table of a model on a world")
+    ev.add_argument("--model", required=True, help="checkpoint folder")
+    ev.add_argument("--world", required=True, choices=WORLDS)
+    ev.add_argument("--split", default="test", choices=("train", "validation", "test"))
+    ev.add_argument("--limit", type=int, default=200, help="examples to evaluate")
+    ev.add_argument("--batch-size", type=int, default=16)
+    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--device", default="auto")
+
+
+def parse_worlds(text: str) -> dict:
+    "'shapes=0.7,ocr=0.3' -> {'shapes': 0.7, 'ocr': 0.3}"
+    worlds = {}
+    for part in text.split(","):
+        name, _, weight = part.partition("=")
+        name = name.strip()
+        if name not in WORLDS:
+            raise ValueError(
+                f"--worlds {text}: unknown world {name!r}; choose among {WORLDS}, "
+                "e.g. shapes=0.7,ocr=0.3"
+            )
+        try:
+            value = float(weight) if weight else 1.0
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"--worlds {text}: the weight of {name} must be a positive number"
+            )
+        worlds[name] = value
+    return worlds
+
+
+def import_data():
+    "The synthetic worlds (chapter 11), imported only by the commands that need them"
+    try:
+        from . import data
+    except ModuleNotFoundError as e:
+        if e.name != "paligemma_lib.data":
+            raise
+        raise ValueError(
+            "this installation has no paligemma_lib.data (the synthetic worlds of "
+            "chapter 11); install a version of paligemma_lib that has it"
+        ) from None
+    return data
+
+
+def at_least(args, **smallest) -> None:
+    for name, value in smallest.items():
+        given = getattr(args, name)
+        if given < value:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be at least {value}, got {given}")
+
+
+def train_command(args: argparse.Namespace, argv) -> int:
+    from .processing import GemmaTokenizer, default_tokenizer_path
+    from .train import (
+        MODEL_SIZES,
+        TrainConfig,
+        init_distributed,
+        latest_checkpoint,
+        make_evaluator,
+        model_config,
+        train,
+    )
+    from .weights import save_pretrained
+
+    if args.config not in MODEL_SIZES:
+        raise ValueError(
+            f"--config {args.config}: no such model size; choose among "
+            f"{sorted(MODEL_SIZES)}"
+        )
+    at_least(args, steps=1, train_size=1, eval_size=1)
+    worlds = parse_worlds(args.worlds)
+    warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 20
+    config = TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        accumulation=args.accumulation,
+        lr=args.lr,
+        warmup_steps=warmup,
+        min_lr_ratio=args.min_lr_ratio,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        seed=args.seed,
+        gradient_checkpointing=args.gradient_checkpointing,
+    )
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder")
+    if args.resume and latest_checkpoint(out) is None:
+        raise ValueError(f"--resume: {out} holds no checkpoint to continue from")
+    if not args.resume and latest_checkpoint(out) is not None:
+        raise ValueError(
+            f"--out {out} holds the checkpoints of a run: add --resume to continue it, "
+            "or choose another folder"
+        )
+    check_device(args.device)
+    device = resolve_device(args.device)
+    rank, world_size = init_distributed()
+    config.micro_batch_size(world_size)  # checks the split before the data loads
+    if device.type == "cuda" and world_size > 1:
+        device = torch.device("cuda", torch.cuda.current_device())
+    data = import_data()
+
+    tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
+    model_settings = model_config(args.config, tokenizer)
+    processor = PaliGemmaProcessor(
+        tokenizer,
+        image_size=model_settings.vision.image_size,
+        num_image_tokens=model_settings.num_image_tokens,
+    )
+    torch.manual_seed(args.seed)
+    model = PaliGemmaForConditionalGeneration(model_settings)
+    train_set = data.SyntheticDataset(
+        worlds=worlds, split="train", size=args.train_size
+    )
+    validation = data.SyntheticDataset(
+        worlds=worlds, split="validation", size=args.eval_size
+    )
+    collate = data.Collator(processor)
+    evaluate = make_evaluator(processor, validation, collate, device=device)
+    begin = time.time()
+    history = train(
+        model,
+        train_set,
+        collate,
+        config,
+        out_dir=out,
+        resume=args.resume,
+        evaluate=evaluate,
+        processor=processor,
+        device=device,
+        progress=not args.no_progress,
+    )
+    if rank == 0:
+        save_pretrained(model, out, processor=processor)
+        record = {
+            "command": "python -m paligemma_lib " + " ".join(argv),
+            "device": device_description(device),
+            "processes": world_size,
+            "model": args.config,
+            "steps": config.steps,
+            "seconds": round(time.time() - begin, 1),
+            "resumed": args.resume,
+            "worlds": worlds,
+            "train_config": asdict(config),
+            "final_metrics": history["eval"][-1] if history["eval"] else {},
+            "history": history,
+        }
+        (out / "training_record.json").write_text(json.dumps(record, indent=1) + "\n")
+        print(f"model and training record written to {out}")
+    if world_size > 1:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def evaluate_command(args: argparse.Namespace, argv) -> int:
+    from .train import compute_metrics, format_metrics, predict
+
+    at_least(args, limit=1, batch_size=1, max_new_tokens=1)
+    check_device(args.device)
+    checkpoint_files(args.model)
+    processor = PaliGemmaProcessor.from_pretrained(args.model)
+    data = import_data()
+    device = resolve_device(args.device)
+    model = load_pretrained(args.model, device=device)
+    dataset = data.SyntheticDataset(
+        worlds={args.world: 1.0}, split=args.split, size=args.limit
+    )
+    rows = predict(
+        model,
+        processor,
+        dataset,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+    )
+    print(f"{args.model} on {args.world} ({args.split}, {len(rows)} examples)")
+    print(format_metrics(compute_metrics(rows)))
+    return 0
 
 
 def check_sampling_flags(args: argparse.Namespace) -> None:
@@ -167,7 +416,7 @@ def check_device(name: str) -> None:
         )
 
 
-def generate_command(args: argparse.Namespace) -> int:
+def generate_command(args: argparse.Namespace, argv=None) -> int:
     detect = args.prompt.strip().startswith("detect")
     if args.draw and not detect:
         raise ValueError(
@@ -222,12 +471,20 @@ def _note(message, category, filename, lineno, file=None, line=None):
     print(f"note: {one_line(message)}", file=sys.stderr)
 
 
+COMMANDS = {
+    "generate": generate_command,
+    "train": train_command,
+    "evaluate": evaluate_command,
+}
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     with warnings.catch_warnings():  # restores the caller's warning display
         warnings.showwarning = _note
         try:
-            return generate_command(args)
+            return COMMANDS[args.command](args, argv)
         except BAD_INPUT as e:  # bad input: one line, no traceback
             print(f"error: {one_line(e)}", file=sys.stderr)
             return 1

@@ -46,7 +46,7 @@ def setup_cell() -> str:
 
 
 def chapters() -> list[Path]:
-    return sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
+    return sorted((ROOT / "book").glob("[0-9][0-9]*_*.ipynb"))
 
 
 def write(path: Path) -> None:

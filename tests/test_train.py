@@ -1,0 +1,528 @@
+"""Chapter 11b: the training loop (paligemma_lib/train.py), its metrics, and the
+`train` and `evaluate` commands. A toy task (name the colour of a solid image) and a
+tiny model keep every run to a few seconds."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from paligemma_lib.processing import (
+    GemmaTokenizer,
+    PaliGemmaProcessor,
+    default_tokenizer_path,
+)
+from paligemma_lib.train import (
+    CHECKPOINTS,
+    TrainConfig,
+    box_iou,
+    character_error_rate,
+    compute_metrics,
+    detection_metrics,
+    epoch_order,
+    global_batch,
+    latest_checkpoint,
+    levenshtein,
+    make_optimizer,
+    make_scheduler,
+    match_boxes,
+    param_groups,
+    parse_receipt,
+    receipt_metrics,
+    set_gradient_checkpointing,
+    shard,
+    token_loss_sum,
+    train,
+    training_step,
+    warmup_cosine,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = GemmaTokenizer.from_file(default_tokenizer_path())
+PROCESSOR = PaliGemmaProcessor(TOKENIZER, image_size=28, num_image_tokens=4)
+COLOURS = {"red": (220, 40, 40), "green": (40, 160, 60), "yellow": (230, 190, 30)}
+
+# The toy task and model, also written into the DDP script below.
+TOY = """
+import numpy as np
+import torch
+from PIL import Image
+
+from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
+from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
+
+
+class ColourDataset:
+    "Solid-colour images with noise; prompt 'colour?', answer the colour's name"
+
+    def __init__(self, size, offset=0):
+        self.size, self.offset = size, offset
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(self.offset + i)
+        name = list(COLOURS)[rng.integers(len(COLOURS))]
+        noise = rng.integers(-20, 21, (28, 28, 3))
+        pixels = (np.array(COLOURS[name]) + noise).clip(0, 255).astype(np.uint8)
+        return Image.fromarray(pixels), "colour?", name
+
+
+def collate(examples):
+    images, prompts, answers = zip(*examples)
+    return PROCESSOR(list(images), list(prompts), suffixes=list(answers))
+
+
+def toy_model(seed=0):
+    torch.manual_seed(seed)
+    config = PaliGemmaConfig(
+        vision=VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, image_size=28, patch_size=14),
+        text=TextConfig(vocab_size=len(TOKENIZER), hidden_size=16,
+                        intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=8),
+        image_token_index=TOKENIZER.image_token_id,
+        projection_dim=16,
+    )
+    return PaliGemmaForConditionalGeneration(config)
+"""
+_toy = dict(globals())
+exec(TOY, _toy)
+ColourDataset, collate, toy_model = (
+    _toy[name] for name in ("ColourDataset", "collate", "toy_model")
+)
+DATA = ColourDataset(64)
+
+
+def grads_after_step(accumulation, examples, max_grad_norm=float("inf")):
+    model = toy_model()
+    optimizer = make_optimizer(model, lr=1e-2)
+    scheduler = make_scheduler(optimizer, 1, 10)
+    grads = {}
+    optimizer.register_step_pre_hook(
+        lambda *_: grads.update(
+            {n: p.grad.clone() for n, p in model.named_parameters()}
+        )
+    )
+    size = len(examples) // accumulation
+    parts = [collate(examples[i * size : (i + 1) * size]) for i in range(accumulation)]
+    loss, norm = training_step(model, parts, optimizer, scheduler, max_grad_norm)
+    return model, grads, loss, norm
+
+
+# --- the pieces ---
+
+
+def test_schedule_warms_up_then_follows_a_cosine():
+    curve = [warmup_cosine(s, 10, 101, min_ratio=0.1) for s in range(101)]
+    assert curve[:3] == [0.1, 0.2, 0.3] and curve[9] == curve[10] == 1.0
+    assert math.isclose(curve[55], 0.55)  # half way down: (1 + 0.1) / 2
+    assert math.isclose(curve[100], 0.1)
+    assert all(a >= b for a, b in zip(curve[10:], curve[11:]))
+    assert warmup_cosine(500, 10, 101) == pytest.approx(0.1)  # stays at the floor
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = make_scheduler(optimizer, 10, 101)
+    for step in range(5):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(curve[step])
+        optimizer.step()
+        scheduler.step()
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings():
+    model = toy_model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay, keep = (
+        {names[id(p)] for p in g["params"]} for g in param_groups(model, 0.1)
+    )
+    assert "language_model.model.embed_tokens.weight" in keep
+    assert "language_model.model.layers.0.input_layernorm.weight" in keep
+    assert "multi_modal_projector.linear.bias" in keep
+    assert "language_model.model.layers.0.mlp.up_proj.weight" in decay
+    assert len(decay) + len(keep) == len(names)
+    model.vision_tower.requires_grad_(False)  # frozen parameters are left out
+    assert not any(
+        n.startswith("vision_tower")
+        for g in param_groups(model, 0.1)
+        for n in (names[id(p)] for p in g["params"])
+    )
+
+
+def test_data_order_depends_on_seed_and_step_only():
+    assert sorted(epoch_order(10, 0, 0)) == list(range(10))
+    batches = [global_batch(10, 4, s, seed=3) for s in range(5)]
+    assert sorted(sum(batches[:2], []) + batches[2][:2]) == list(range(10))
+    assert batches[4] == global_batch(10, 4, 4, seed=3)  # no state but the step
+    parts = [shard(list(range(8)), r, 2, 2) for r in range(2)]
+    assert parts == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
+
+
+def test_accumulation_equals_one_larger_batch():
+    examples = [DATA[i] for i in range(8)]
+    lengths = {len(TOKENIZER.encode(e[2], add_bos=False)) for e in examples}
+    assert (
+        len(lengths) > 1
+    )  # answers of different lengths: a mean of means would differ
+    big, big_grads, big_loss, _ = grads_after_step(1, examples)
+    small, small_grads, small_loss, _ = grads_after_step(4, examples)
+    assert small_loss == pytest.approx(big_loss, rel=1e-6)
+    for name, g in big_grads.items():
+        torch.testing.assert_close(small_grads[name], g, rtol=1e-5, atol=1e-7)
+    for p, q in zip(big.parameters(), small.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-5)  # Adam: lr 1e-2 x 1e-3
+
+
+def test_loss_is_the_mean_over_answer_tokens():
+    batch = collate([DATA[i] for i in range(4)])
+    model = toy_model()
+    out = model(**{k: batch[k] for k in batch.keys()})
+    logits = out.logits
+    n = int((batch.token_type_ids == 1).sum())
+    torch.testing.assert_close(token_loss_sum(logits, batch.labels) / n, out.loss)
+
+
+def test_clipping_rescales_the_global_norm():
+    examples = [DATA[i] for i in range(8)]
+    _, free, _, norm = grads_after_step(1, examples)
+    _, clipped, _, same_norm = grads_after_step(1, examples, max_grad_norm=1e-3)
+    assert same_norm == pytest.approx(norm) and norm > 1e-3
+    flat = torch.cat([g.flatten() for g in clipped.values()])
+    assert flat.norm().item() == pytest.approx(1e-3, rel=1e-4)
+    torch.testing.assert_close(
+        flat, torch.cat([g.flatten() for g in free.values()]) * (1e-3 / norm)
+    )
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    batch = collate([DATA[i] for i in range(4)])
+    grads = []
+    for checkpointed in (False, True):
+        model = set_gradient_checkpointing(toy_model(), checkpointed)
+        model(**{k: batch[k] for k in batch.keys()}).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7)
+    layer = model.language_model.model.layers[0]
+    assert "forward" in layer.__dict__
+    set_gradient_checkpointing(model, False)
+    assert "forward" not in layer.__dict__
+
+
+def test_train_config_refuses_impossible_settings():
+    for bad in ({"steps": 0}, {"lr": float("nan")}, {"min_lr_ratio": 2.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TrainConfig(**bad)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        TrainConfig(batch_size=6, accumulation=2).micro_batch_size(world_size=2)
+
+
+# --- checkpoints and resume ---
+
+SMALL = TrainConfig(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, save_every=2)
+
+
+def test_a_resumed_run_ends_bit_for_bit_equal(tmp_path):
+    uninterrupted = toy_model()
+    train(uninterrupted, DATA, collate, SMALL, progress=False)
+
+    def stop(step, loss):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(
+            toy_model(),
+            DATA,
+            collate,
+            SMALL,
+            out_dir=tmp_path,
+            progress=False,
+            on_step=stop,
+        )
+    assert latest_checkpoint(tmp_path).name == "step-0000004"
+    resumed = toy_model(
+        seed=1
+    )  # the checkpoint replaces these weights  (the checkpoint replaces these weights)
+    history = train(
+        resumed,
+        DATA,
+        collate,
+        SMALL,
+        out_dir=tmp_path,
+        resume=True,
+        progress=False,
+    )
+    assert history["step"] == [1, 2, 3, 4, 5, 6]
+    for (name, p), q in zip(uninterrupted.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+    names = sorted(p.name for p in (tmp_path / CHECKPOINTS).iterdir())
+    assert names == ["step-0000004", "step-0000006"]  # the last two, no stray folder
+
+
+def test_resume_refuses_other_settings_or_nothing_to_resume(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        train(toy_model(), DATA, collate, SMALL, out_dir=tmp_path, resume=True)
+    train(toy_model(), DATA, collate, SMALL, out_dir=tmp_path, progress=False)
+    other = TrainConfig(**{**SMALL.__dict__, "lr": 1e-3})
+    with pytest.raises(ValueError, match="lr"):
+        train(toy_model(), DATA, collate, other, out_dir=tmp_path, resume=True)
+
+
+# --- DDP: 2 gloo processes = 1 process ---
+
+DDP_SCRIPT = """
+import sys
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
+from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
+from paligemma_lib.processing import GemmaTokenizer, PaliGemmaProcessor
+from paligemma_lib.processing import default_tokenizer_path
+from paligemma_lib.train import TrainConfig, init_distributed, train
+
+torch.set_num_threads(1)
+TOKENIZER = GemmaTokenizer.from_file(default_tokenizer_path())
+PROCESSOR = PaliGemmaProcessor(TOKENIZER, image_size=28, num_image_tokens=4)
+COLOURS = {COLOURS}
+{TOY}
+rank, world_size = init_distributed()
+model = toy_model()
+config = TrainConfig(steps=4, batch_size=8, accumulation=2, lr=1e-2, warmup_steps=1)
+history = train(model, ColourDataset(32), collate, config, progress=False)
+if rank == 0:
+    save_file(dict(model.named_parameters()), sys.argv[1])
+    print("losses", history["loss"])
+"""
+
+
+def torchrun(tmp_path, processes: int) -> dict:
+    script = tmp_path / "ddp.py"
+    script.write_text(
+        DDP_SCRIPT.replace("{COLOURS}", repr(COLOURS)).replace(
+            "{TOY}", textwrap.dedent(TOY)
+        )
+    )
+    out = tmp_path / f"weights-{processes}.safetensors"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={processes}",
+            str(script),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    return load_file(out)
+
+
+def test_ddp_two_processes_equal_one(tmp_path):
+    """Same global batch (8 = 2 processes x 2 micro-batches x 2): the weights agree
+    within 1e-5 (Adam, lr 1e-2; the gradient sums run in another order)"""
+    one, two = torchrun(tmp_path, 1), torchrun(tmp_path, 2)
+    assert one.keys() == two.keys()
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-5)
+    moved = toy_model().state_dict()
+    assert not torch.equal(
+        one["multi_modal_projector.linear.weight"],
+        moved["multi_modal_projector.linear.weight"],
+    )
+
+
+# --- metrics on hand-made predictions ---
+
+
+def loc(y0, x0, y1, x1):
+    return "".join(f"<loc{v:04d}>" for v in (y0, x0, y1, x1))
+
+
+def test_levenshtein_and_character_error_rate():
+    assert levenshtein("kitten", "sitting") == 3
+    assert levenshtein("", "") == 0 and levenshtein("AB", "") == 2
+    assert levenshtein("A1B2", "A1B2") == 0 and levenshtein("AB12", "BA12") == 2
+    assert character_error_rate(["AB1Z", "HELL"], ["AB12", "HELLO."]) == 0.3
+    assert character_error_rate(["XXXXXX"], ["AB"]) == 3.0  # can exceed 1
+    with pytest.raises(ValueError):
+        character_error_rate(["A"], [""])
+
+
+def test_box_matching_and_detection_metrics():
+    assert box_iou((0, 0, 2, 2), (1, 0, 3, 2)) == pytest.approx(1 / 3)
+    assert box_iou((0, 0, 1, 1), (2, 2, 3, 3)) == 0.0
+    a, b = (0, 0, 10, 10), (20, 20, 30, 30)
+    assert match_boxes([(b, "x"), (a, "x")], [(a, "x"), (b, "x")]) == [1.0, 1.0]
+    assert match_boxes([(a, "x")], [(a, "y")]) == [0.0, 0.0]  # labels must agree
+    assert match_boxes([(a, "x"), (b, "x")], [(a, "x")]) == [1.0, 0.0]  # spurious
+    truth = f"{loc(0, 0, 100, 100)} circle ; {loc(0, 500, 100, 600)} circle"
+    # one exact box, one missed: IoUs 1 and 0
+    m = detection_metrics([f"{loc(0, 500, 100, 600)} circle"], [truth])
+    assert m == {"mean IoU": 0.5, "IoU >= 0.5": 0.5}
+    # a box 60% as wide: IoU 0.6; one 40% as wide: 0.4, under the threshold
+    m = detection_metrics(
+        [f"{loc(0, 0, 100, 60)} square", f"{loc(0, 0, 100, 40)} square"],
+        [f"{loc(0, 0, 100, 100)} square"] * 2,
+    )
+    assert m["mean IoU"] == pytest.approx(0.5) and m["IoU >= 0.5"] == 0.5
+    assert (
+        detection_metrics(["no boxes"], [f"{loc(0, 0, 10, 10)} square"])["mean IoU"]
+        == 0
+    )
+
+
+def test_receipt_metrics_parse_leniently():
+    truth = '{"store":"ACME MART","date":"2024-03-15","total":"12.40"}'
+    assert parse_receipt("not json") == {}
+    assert parse_receipt("[1, 2]") == {}
+    assert parse_receipt('answer: {"store": "X"} end') == {"store": "X"}
+    m = receipt_metrics(
+        [
+            truth,
+            '{ "total":"12.40", "store":"ACME MART", "date":"2024-03-15" }',
+            '{"store":"ACME MART","date":"2024-03-15","total":12.4}',
+            '{"store":"ACME',
+        ],
+        [truth] * 4,
+    )
+    assert m["store accuracy"] == 0.75 and m["date accuracy"] == 0.75
+    assert m["total accuracy"] == 0.5 and m["all fields"] == 0.5
+    assert m["exact match"] == 0.25
+
+
+def test_metrics_table_per_task():
+    rows = [
+        {
+            "prompt": "caption en",
+            "answer": "a red circle",
+            "prediction": "a red circle ",
+        },
+        {"prompt": "caption en", "answer": "a red circle", "prediction": "a circle"},
+        {
+            "prompt": "answer en what color is the square?",
+            "answer": "red",
+            "prediction": "blue",
+        },
+        {"prompt": "ocr", "answer": "AB12", "prediction": "AB12"},
+    ]
+    m = compute_metrics(rows)
+    assert m["caption"] == {"examples": 2, "exact match": 0.5}
+    assert m["colour"]["exact match"] == 0.0
+    assert m["ocr"]["character error rate"] == 0.0
+
+
+# --- the command line ---
+
+
+def cli(*args, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "paligemma_lib", *map(str, args)],
+        capture_output=True,
+        text=True,
+        **kw,
+    )
+
+
+def one_error_line(run, *words):
+    assert run.returncode == 1, (run.returncode, run.stdout, run.stderr)
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--steps", "0"], ["--steps"]),
+        (["--config", "huge"], ["--config huge", "nano"]),
+        (["--worlds", "shapes=0.5,moon=1"], ["moon"]),
+        (["--worlds", "shapes=-1"], ["positive"]),
+        (["--batch-size", "6", "--accumulation", "4"], ["multiple of 4"]),
+        (["--lr", "0"], ["lr"]),
+        (["--device", "meta"], ["--device meta"]),
+        (["--resume"], ["--resume", "no checkpoint"]),
+    ],
+)
+def test_train_bad_flags_are_one_line(tmp_path, flags, words):
+    args = {"--config": "tiny", "--out": tmp_path / "run", "--steps": "2"}
+    for flag, value in zip(flags[::2], flags[1::2]):
+        args[flag] = value
+    extra = [f for f in flags if f == "--resume"]
+    run = cli("train", *[x for kv in args.items() for x in kv], *extra)
+    one_error_line(run, *words)
+
+
+def test_train_refuses_an_output_folder_with_a_run(tmp_path):
+    (tmp_path / CHECKPOINTS / "step-0000002").mkdir(parents=True)
+    run = cli("train", "--config", "tiny", "--out", tmp_path, "--steps", "2")
+    one_error_line(run, "--resume")
+
+
+def test_evaluate_bad_input_is_one_line(tmp_path):
+    one_error_line(
+        cli("evaluate", "--model", tmp_path, "--world", "shapes"), "config.json"
+    )
+    run = cli("evaluate", "--model", tmp_path, "--world", "moon")
+    assert run.returncode == 2 and "invalid choice" in run.stderr  # argparse's usage
+
+
+def test_train_then_evaluate_on_the_worlds(tmp_path):
+    pytest.importorskip("paligemma_lib.data")
+    out = tmp_path / "run"
+    run = cli(
+        "train",
+        "--config",
+        "tiny",
+        "--out",
+        out,
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--eval-size",
+        "2",
+        "--train-size",
+        "8",
+        "--no-progress",
+    )
+    assert run.returncode == 0, run.stderr
+    record = json.loads((out / "training_record.json").read_text())
+    assert record["steps"] == 2 and record["command"].startswith(
+        "python -m paligemma_lib"
+    )
+    assert (
+        len(record["history"]["loss"]) == 2
+        and "validation loss" in record["final_metrics"]
+    )
+    for name in ("config.json", "model.safetensors", "tokenizer.model"):
+        assert (out / name).is_file()
+    run = cli(
+        "evaluate",
+        "--model",
+        out,
+        "--world",
+        "ocr",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "4",
+    )
+    assert run.returncode == 0, run.stderr
+    assert "character error rate" in run.stdout
