@@ -210,7 +210,11 @@ def font_path(bold: bool = False) -> Path:
 
 @cache
 def load_font(size: int, bold: bool = False) -> ImageFont.FreeTypeFont:
-    return ImageFont.truetype(str(font_path(bold)), size)
+    """DejaVu Sans Mono at `size` px, laid out by Pillow's own BASIC engine: with
+    libraqm installed Pillow would otherwise use it, and its advances differ"""
+    return ImageFont.truetype(
+        str(font_path(bold)), size, layout_engine=ImageFont.Layout.BASIC
+    )
 
 
 def ocr_text(rng: random.Random) -> str:
