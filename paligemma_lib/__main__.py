@@ -1,10 +1,12 @@
 # Hand-written CLI wiring, not exported from a notebook: it parses, then calls the lib.
 """Command line: answer one prompt about one image; train; evaluate.
 
-    python -m paligemma_lib generate --model DIR --image PATH --prompt "caption en"
+    python -m paligemma_lib generate --image PATH --prompt "caption en" [--model DIR]
     python -m paligemma_lib train --config nano --out DIR --steps N [--resume]
     torchrun --nproc_per_node 2 -m paligemma_lib train ...      # DDP
-    python -m paligemma_lib evaluate --model DIR --world shapes --split test
+    python -m paligemma_lib evaluate --world shapes --split test [--model DIR]
+
+--model defaults to nano, the small model shipped in the package (chapter 11).
 
 Bad input (a missing file, an unreadable image, a folder that is not a checkpoint)
 ends with one line on stderr and exit status 1, not a traceback."""
@@ -47,6 +49,7 @@ from . import __version__
 from .generation import answer
 from .paligemma import PaliGemmaForConditionalGeneration
 from .processing import (
+    SHIPPED,
     PaliGemmaProcessor,
     draw_boxes,
     load_image,
@@ -68,6 +71,15 @@ BAD_INPUT = (
 )  # reported in one line; anything else is a bug
 
 
+DEFAULT_MODEL = "nano"  # shipped in the package (paligemma_lib/assets/nano)
+MODEL_HELP = (
+    "checkpoint folder (config.json, safetensors, tokenizer.model) or the name of a "
+    f"shipped model ({', '.join(SHIPPED)}); a local folder of that name wins. "
+    f"Default: {DEFAULT_MODEL}, the book's small model, trained on synthetic shapes "
+    "and text lines only"
+)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m paligemma_lib", description="PaliGemma from scratch"
@@ -77,11 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="answer one prompt about one image")
-    gen.add_argument(
-        "--model",
-        required=True,
-        help="checkpoint folder (config.json, safetensors, tokenizer.model)",
-    )
+    gen.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     gen.add_argument("--image", required=True, help="image file")
     gen.add_argument(
         "--prompt",
@@ -167,7 +175,7 @@ def add_train_parser(commands) -> None:
 
 def add_evaluate_parser(commands) -> None:
     ev = commands.add_parser("evaluate", help="the metrics table of a model on a world")
-    ev.add_argument("--model", required=True, help="checkpoint folder")
+    ev.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     ev.add_argument("--world", required=True, choices=WORLDS)
     ev.add_argument("--split", default="test", choices=("train", "validation", "test"))
     ev.add_argument("--limit", type=int, default=200, help="examples to evaluate")

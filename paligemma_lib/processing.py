@@ -4,11 +4,12 @@
 __all__ = ['IMAGE_MEAN', 'IMAGE_STD', 'RESAMPLE', 'to_rgb', 'too_many_pixels',
            'load_image', 'resize_bilinear', 'resize_to_square',
            'process_images', 'IMAGE_TOKEN', 'LOC_TOKENS', 'SEG_TOKENS',
-           'NUM_LOC_BINS', 'BOX_COLOURS', 'tokenizer_corpus',
+           'SHIPPED', 'NUM_LOC_BINS', 'BOX_COLOURS', 'tokenizer_corpus',
            'train_tokenizer', 'GemmaTokenizer', 'default_tokenizer_path',
            'PaliGemmaBatch', 'pad_sequences', 'PaliGemmaProcessor',
-           'read_json', 'coordinate_to_bin', 'bin_to_coordinate',
-           'boxes_to_loc_string', 'parse_loc_tokens', 'draw_boxes']
+           'shipped_model_path', 'resolve_model_path', 'read_json',
+           'coordinate_to_bin', 'bin_to_coordinate', 'boxes_to_loc_string',
+           'parse_loc_tokens', 'draw_boxes']
 
 # %% ../book/01_images_to_patches.ipynb #c003
 import re
@@ -627,8 +628,9 @@ class PaliGemmaProcessor:
 
     @classmethod
     def from_pretrained(cls, folder) -> "PaliGemmaProcessor":
-        "Tokenizer and image settings from a PaliGemma checkpoint folder"
-        folder = Path(folder)
+        """Tokenizer and image settings from a PaliGemma checkpoint folder, or from a
+        shipped model's name ("nano"; see `resolve_model_path`)"""
+        folder = resolve_model_path(folder)
         tokenizer = GemmaTokenizer.from_file(_tokenizer_file(folder))
         return cls(tokenizer, **_image_settings(folder))
 
@@ -711,6 +713,32 @@ class PaliGemmaProcessor:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+# %% ../book/06_tokenizer_and_processor.ipynb #c053o
+SHIPPED = {"nano": "assets/nano"}  # name -> its folder inside the package
+
+
+def shipped_model_path(name: str) -> Path:
+    "The package's folder of a shipped model (a key of SHIPPED)"
+    return Path(find_spec("paligemma_lib.processing").origin).parent / SHIPPED[name]
+
+
+def resolve_model_path(name_or_path) -> Path:
+    """A checkpoint folder from a path or a shipped model's name ("nano"). An existing
+    local folder of that name wins; then a shipped name; then an existing path (a file
+    gives its own error later); anything else is a FileNotFoundError naming the
+    shipped models"""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    if str(name_or_path) in SHIPPED:
+        return shipped_model_path(str(name_or_path))
+    if path.exists():
+        return path
+    raise FileNotFoundError(
+        f"no checkpoint folder at {path}, and {str(name_or_path)!r} is not the name of "
+        f"a shipped model ({', '.join(SHIPPED)})"
+    )
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c055
 def read_json(path: Path, missing_ok: bool = False) -> dict:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from .config import PaliGemmaConfig
 from .paligemma import PaliGemmaForConditionalGeneration
-from .processing import read_json
+from .processing import read_json, resolve_model_path
 
 __doc__ = """Checkpoints (chapter 9): `load_pretrained` reads a PaliGemma folder
 (config.json and safetensors weights, one file or shards, in the key spellings of
@@ -129,10 +129,9 @@ def _weight_map(index: Path) -> dict:
 
 
 def checkpoint_files(folder) -> list[Path]:
-    "The safetensors files of a folder: model.safetensors, or its index's shards"
-    folder = Path(folder)
-    if not folder.exists():
-        raise FileNotFoundError(f"no checkpoint folder at {folder}")
+    """The safetensors files of a folder (or of a shipped model's name, "nano"):
+    model.safetensors, or its index's shards"""
+    folder = resolve_model_path(folder)  # a missing folder: an error naming "nano"
     if not folder.is_dir():
         raise NotADirectoryError(
             f"{folder} is a file; pass the checkpoint folder "
@@ -389,9 +388,11 @@ def load_pretrained(
     path, dtype=None, device=None, progress: bool | None = None
 ) -> PaliGemmaForConditionalGeneration:
     """A PaliGemma checkpoint folder (config.json + safetensors, any key spelling of
-    KEY_MAP) -> our model, in eval mode. dtype: None (as stored; bf16 becomes fp32 on a
-    GPU without native bf16), a torch.dtype or 'bf16'/'fp16'/'fp32'; device: None
-    (cpu), 'auto' or a device name"""
+    KEY_MAP), or a shipped model's name ("nano"; a local folder of that name wins) ->
+    our model, in eval mode. dtype: None (as stored; bf16 becomes fp32 on a GPU without
+    native bf16), a torch.dtype or 'bf16'/'fp16'/'fp32'; device: None (cpu), 'auto' or
+    a device name"""
+    path = resolve_model_path(path)
     files = checkpoint_files(path)
     hf_config = read_checkpoint_json(Path(path) / "config.json")
     try:

@@ -568,3 +568,73 @@ def test_the_top_level_api_and_its_help():
         assert argument in answer.__doc__, argument
     for argument in ("images", "prompts", "suffixes", "padding_side", "max_length"):
         assert argument in PaliGemmaProcessor.__call__.__doc__, argument
+
+
+# The shipped model (paligemma_lib/assets/nano): --model defaults to its name, "nano"
+
+
+def run_default(capsys, checkpoint, *extra, prompt="caption en"):
+    "run_main without --model: the command as a reader types it first"
+    args = ["generate", "--image", checkpoint / "image.png", "--prompt", prompt]
+    code = main([str(a) for a in [*args, *extra]])
+    out = capsys.readouterr()
+    return Run(code, out.out, out.err)
+
+
+def test_generate_without_model_answers_with_the_shipped_nano(checkpoint):
+    run = cli(
+        "generate",
+        "--image",
+        checkpoint / "image.png",
+        "--prompt",
+        "caption en",
+        "--max-new-tokens",
+        "5",
+        "--device",
+        "cpu",
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
+    model = load_pretrained("nano")
+    assert isinstance(model, PaliGemmaForConditionalGeneration)
+    expected = answer(
+        model,
+        PaliGemmaProcessor.from_pretrained("nano"),
+        load_image(checkpoint / "image.png"),
+        "caption en",
+        max_new_tokens=5,
+    )
+    assert run.stdout == expected + "\n"
+
+
+def test_evaluate_and_generate_default_to_nano():
+    from paligemma_lib.__main__ import parse_args
+
+    assert parse_args(["evaluate", "--world", "shapes"]).model == "nano"
+    args = parse_args(["generate", "--image", "x.png", "--prompt", "caption en"])
+    assert args.model == "nano"
+    help_text = cli("generate", "--help").stdout
+    assert "Default: nano" in " ".join(help_text.split())
+
+
+def test_a_local_folder_named_nano_wins(checkpoint, tmp_path, capsys, monkeypatch):
+    from paligemma_lib.processing import resolve_model_path
+
+    expected = run_main(capsys, checkpoint)  # the test checkpoint, given by its path
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(checkpoint / "model", tmp_path / "nano")
+    assert resolve_model_path("nano") == Path("nano")
+    assert PaliGemmaProcessor.from_pretrained("nano").image_size == 28  # not 224
+    run = run_default(capsys, checkpoint)
+    assert run.returncode == 0, run.stderr
+    assert run == expected
+    assert run_main(capsys, checkpoint, model="nano") == expected
+
+
+def test_an_unknown_model_name_lists_the_shipped_ones(checkpoint, tmp_path, capsys):
+    run = run_main(capsys, checkpoint, model=tmp_path / "pico")
+    one_error_line(run, "no checkpoint folder at", "pico", "shipped model", "nano")
+    with pytest.raises(FileNotFoundError, match="not the name of a shipped model"):
+        load_pretrained("pico")
+    with pytest.raises(FileNotFoundError, match=r"\(nano\)"):
+        PaliGemmaProcessor.from_pretrained("pico")

@@ -121,3 +121,32 @@ def test_ruff_settings_name_exactly_the_exported_modules():
     glob = next(k for k in ignores if "{" in k)
     inside = re.search(r"\{(.*)\}", glob).group(1).split(",")
     assert {f"{m}.py" for m in inside} == exported, "edit [tool.ruff.lint] ignores"
+
+
+SHIPPED_FILES = {
+    "config.json",
+    "model.safetensors",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "preprocessor_config.json",
+    "training_record.json",
+}
+
+
+def test_the_shipped_nano_model():
+    "paligemma_lib/assets/nano: the model files of a training run, and nothing else"
+    import json
+
+    folder = ROOT / "paligemma_lib" / "assets" / "nano"
+    assert folder.is_dir(), "ship it: python tools/ship_nano.py TRAINING_OUTPUT"
+    assert {p.name for p in folder.iterdir()} == SHIPPED_FILES  # no checkpoints/
+    total = sum(p.stat().st_size for p in folder.iterdir())
+    assert total <= 25_000_000, f"{total / 1e6:.1f} MB, over 25 MB"
+    record = json.loads((folder / "training_record.json").read_text())
+    for key in ("command", "device", "steps", "seconds"):
+        assert key in record, key
+    assert "train" in record["command"] and record["steps"] >= 1
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"][
+        "setuptools"
+    ]["package-data"]["paligemma_lib"]
+    assert "assets/nano/*" in package_data  # in the wheel, not only in the repository
