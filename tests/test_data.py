@@ -175,11 +175,12 @@ def test_same_pixels_in_another_process():
 
 
 # The SHA-256 of the raw pixels of three examples of each world, computed with
-# Pillow 12.3.0 and FreeType 2.14.3 (Python 3.12). They pin the data: random.Random's
+# Pillow 12.3.0 and FreeType 2.14.3 (Python 3.11). They pin the data: random.Random's
 # randint/choice/sample/choices are stable in practice but not documented so, and text
-# is anti-aliased by FreeType. A Pillow or FreeType upgrade can legitimately change the
-# text's pixels (the shapes have no anti-aliasing): then look at the images, and update
-# these hashes only knowing that the data (and any model trained on it) changed.
+# is anti-aliased by FreeType. A Pillow or FreeType upgrade can legitimately change
+# these pixels (the text's edges, how Pillow rasterises an ellipse): then look at the
+# images, and update the hashes knowing that the data, and so a model trained on it,
+# changed.
 PIXELS = {
     ("shapes", 0): "52d05abd7ddaba1275b3ecfdf8a7694af15ecf894bec4f8859370e48054d4ccd",
     ("shapes", 1): "aeb2a591200591104ee27a210e853d8ca3b186e2e277ebac5dcef3c7f62459f9",
