@@ -49,9 +49,14 @@ MAX_TRIES = 1000  # rejection sampling gives up after this many draws, with an e
 
 
 def example_rng(world: str, seed: int) -> random.Random:
-    "The generator of one example: its own random.Random, never the global one"
+    """The generator of one example: its own random.Random, never the global one.
+    seed: an integer of the world's range; numpy's integers too (operator.index)"""
     if world not in WORLD_OFFSETS:
         raise ValueError(f"unknown world {world!r}; the worlds are {', '.join(WORLDS)}")
+    try:
+        seed = operator.index(seed)  # an int or a numpy integer, never a float
+    except TypeError:
+        pass  # the error below names it
     if not isinstance(seed, int) or not 0 <= seed < SEEDS_PER_WORLD:
         raise ValueError(
             f"seed {seed!r} must be an int in 0..{SEEDS_PER_WORLD - 1}; the splits are "
@@ -104,10 +109,8 @@ COLOURS = {
     "yellow": (230, 190, 30),
 }
 KINDS = ("circle", "square", "triangle")
-MARGIN, GAP = (
-    4,
-    6,
-)  # a box is >= MARGIN px inside the canvas and >= GAP px from the others
+# a box is >= MARGIN px inside the canvas and >= GAP px from the others
+MARGIN, GAP = 4, 6
 SIDES = (36, 80)  # the smallest and the largest side of a shape's square box
 
 
@@ -357,7 +360,11 @@ class SyntheticDataset(Dataset):
     worlds: a world ("shapes") or weights ({"shapes": 0.7, "ocr": 0.3}, normalised).
     split: "train", "validation" or "test"; example i has seed SPLITS[split][i].
     size: how many examples (the whole split when None).
-    task: with a single world, every example asks this task (see make_example)."""
+    task: with a single world, every example asks this task (see make_example).
+
+    No need to shuffle: consecutive seeds are already independent random draws, so the
+    split in order is a random order. Do not give a DataLoader shuffle=True over the
+    train split: its sampler would build a permutation of all 10**9 indices first."""
 
     def __init__(self, worlds="shapes", split="train", size=None, task=None):
         weights = {worlds: 1.0} if isinstance(worlds, str) else dict(worlds)

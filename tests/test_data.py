@@ -10,9 +10,10 @@ import sys
 from collections import Counter
 from datetime import date
 
+import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageChops
+from PIL import Image, ImageChops, ImageDraw
 
 from paligemma_lib.data import (
     COLOURS,
@@ -94,6 +95,24 @@ def ink_box(image, level):
     return ImageChops.difference(image, plain).getbbox()
 
 
+def drawn(text, size, bold, background, ink):
+    "`text` drawn alone with the library's font: the pixels of its ink box, an array"
+    font = load_font(size, bold)
+    left, top, right, bottom = font.getbbox(text)
+    image = Image.new("L", (right - left + 8, bottom - top + 8), background)
+    ImageDraw.Draw(image).text((4 - left, 4 - top), text, fill=ink, font=font)
+    return np.asarray(image.crop(ink_box(image.convert("RGB"), background)))
+
+
+def found_at(pixels, patch, x, rows):
+    "The row y in `rows` where `patch` equals pixels[y:, x:] exactly, or None"
+    h, w = patch.shape
+    for y in rows:
+        if x >= 0 and (pixels[y : y + h, x : x + w] == patch).all():
+            return y
+    return None
+
+
 # seeds and splits
 
 
@@ -118,6 +137,7 @@ def test_seed_outside_the_range_is_an_error():
         make_example("stars", 0)
     with pytest.raises(ValueError, match="has no task 'ocr'"):
         make_example("shapes", 0, task="ocr")
+    assert make_example("ocr", np.int64(7)) == make_example("ocr", 7)  # numpy's ints
 
 
 def fingerprint(seeds=range(4)):
@@ -152,6 +172,38 @@ def test_same_pixels_in_another_process():
         cwd=root,
     )
     assert out.stdout.strip() == fingerprint()
+
+
+# The SHA-256 of the raw pixels of three examples of each world, computed with
+# Pillow 12.3.0 and FreeType 2.14.3 (Python 3.11). They pin the data: random.Random's
+# randint/choice/sample/choices are stable in practice but not documented so, and text
+# is anti-aliased by FreeType. A Pillow or FreeType upgrade can legitimately change
+# these pixels (the text's edges, how Pillow rasterises an ellipse): then look at the
+# images, and update the hashes knowing that the data, and so a model trained on it,
+# changed.
+PIXELS = {
+    ("shapes", 0): "52d05abd7ddaba1275b3ecfdf8a7694af15ecf894bec4f8859370e48054d4ccd",
+    ("shapes", 1): "aeb2a591200591104ee27a210e853d8ca3b186e2e277ebac5dcef3c7f62459f9",
+    ("shapes", 10**9 + 10**4): (
+        "f59965ad2131a6151bb5526deca8a18ee12a28a3bd52472d03bccb2b300134d9"
+    ),
+    ("ocr", 0): "50af80dd889bb2c6e966e546dce7c7aadb5fbcb077162f831045b5b3aebb9eef",
+    ("ocr", 1): "4274e798a45890e9222355031bc8f4650ef2650ea118aac56ea9243c949b7b5b",
+    ("ocr", 10**9 + 10**4): (
+        "87eff4b789491637e977408f7edf994dca37f13716a59361b410598d7ed13f8e"
+    ),
+    ("receipts", 0): "0f2d13f0b438c9d888635560a3a2783f5e6cfa3ebc85b57f1a5dd5838d5c5aa5",
+    ("receipts", 1): "2ae7b398efb015ebb7c064f347cc2d0b57591c972829d2762efc1ab31a237080",
+    ("receipts", 10**9 + 10**4): (
+        "6be631e7e2b47df78d79fd480de3b0251ef1c34c40ecaafba785af8eb64090e5"
+    ),
+}
+
+
+def test_pixels_are_pinned():
+    for (world, seed), expected in PIXELS.items():
+        pixels = make_example(world, seed).image.tobytes()
+        assert hashlib.sha256(pixels).hexdigest() == expected, (world, seed)
 
 
 # hand-checked examples: the first test images, looked at in chapter 11's grid
@@ -205,8 +257,21 @@ def test_shapes_canvas_boxes_and_order(shapes):
             assert min(x0, y0) >= MARGIN and max(x1, y1) <= IMAGE_SIZE - MARGIN
             for b in ex.boxes[:i]:
                 assert box_gap(ex.boxes[i], b) >= GAP
-        centres = [(b[0] + b[2]) / 2 for b in ex.boxes]
-        assert centres == sorted(centres)
+        order = [((b[0] + b[2]) / 2, b[1]) for b in ex.boxes]
+        assert order == sorted(order)  # by the centre's x, on a tie top to bottom
+
+
+def test_order_ties_are_top_to_bottom():
+    "Boxes with the same centre x (stacked) are listed top to bottom"
+    ex = make_example("shapes", 577)  # a train seed: a red square above a triangle
+    assert ex.boxes == [(53, 4, 133, 84), (66, 106, 120, 160)]  # centre x 93 both
+    assert ex.answer == "a red square and a yellow triangle"
+    ex = make_example("shapes", 733, task="detect")
+    assert ex.boxes[:2] == [(85, 35, 154, 104), (80, 130, 159, 209)]  # centre x 119.5
+    assert ex.labels == ["blue triangle", "blue square", "red triangle"]
+    assert ex.answer == "<loc0594><loc0365><loc0954><loc0726> square"
+    ex = make_example("shapes", 733, task="caption")
+    assert ex.answer == "a blue triangle, a blue square and a red triangle"
 
 
 def test_shapes_pixels_are_background_or_the_shapes_colour(shapes):
@@ -226,6 +291,14 @@ def test_shapes_pixels_are_background_or_the_shapes_colour(shapes):
             assert ex.image.getpixel(centre) == COLOURS[colour]
             corner_colour = ex.image.getpixel((x0, y0))
             assert (corner_colour == COLOURS[colour]) == (kind == "square")
+            if kind == "triangle":  # apex: the top centre; base: the box's bottom row
+                top = np.flatnonzero((np.asarray(crop)[0] == COLOURS[colour]).all(-1))
+                assert len(top) and set(top + x0) <= {
+                    (x0 + x1 - 1) // 2,
+                    (x0 + x1) // 2,
+                }
+                bottom = crop.crop((0, y1 - y0 - 1, x1 - x0, y1 - y0))
+                assert bottom.getcolors() == [(x1 - x0, COLOURS[colour])]
             outside.paste((level,) * 3, (x0, y0, x1, y1))
         assert outside.getcolors() == [(IMAGE_SIZE**2, (level,) * 3)]
 
@@ -332,6 +405,29 @@ def test_ocr_text_is_in_the_alphabet_and_fully_visible(ocr):
     assert separators[""] > separators["."] > 30 and separators[" "] > 30
 
 
+def test_ocr_pixels_are_the_line_drawn_at_24_to_40_px(ocr):
+    "The image is the background and the text drawn once, in grey ink, at one size"
+    sizes = Counter()
+    for ex in ocr[:100]:
+        pixels = np.asarray(ex.image).astype(int)
+        assert (pixels == pixels[..., :1]).all()  # grey: R = G = B everywhere
+        pixels = pixels[..., 0]
+        background, ink = int(pixels[0, 0]), int(pixels.min())
+        assert 225 <= background <= 255 and 0 <= ink <= 60
+        x0, y0, x1, y1 = ink_box(ex.image, background)
+        inked = pixels[y0:y1, x0:x1]  # outside it, all background: uniform
+        matches = [
+            size
+            for size in range(20, 45)  # wider than 24-40, to see a size outside
+            if (patch := drawn(ex.text, size, False, background, ink)).shape
+            == inked.shape
+            and (patch == inked).all()
+        ]
+        assert len(matches) == 1 and 24 <= matches[0] <= 40, (ex.seed, matches)
+        sizes[matches[0]] += 1
+    assert min(sizes) <= 26 and max(sizes) >= 38  # the range is used
+
+
 def test_text_too_wide_is_an_error_not_a_clip():
     with pytest.raises(ValueError, match="would be clipped"):
         place_text(random.Random(0), "W" * 12, load_font(40))
@@ -367,6 +463,49 @@ def test_receipts_canvas_and_ink(receipts):
         x0, y0, x1, y1 = ink_box(ex.image, level)
         assert min(x0, y0) >= MARGIN and max(x1, y1) <= IMAGE_SIZE - MARGIN
         assert (0, 0, 0) in {c for _, c in ex.image.getcolors(IMAGE_SIZE**2)}
+
+
+def test_receipts_lines_drawn_bold_or_regular_at_one_size_prices_aligned(receipts):
+    """Each line is found in the image, drawn again with the library's font: the store
+    and TOTAL in bold, the others regular, all at one size of 18-20 px; the prices'
+    right ink edges align; and nothing else is drawn"""
+    candidates = [(size, bold) for size in range(15, 24) for bold in (False, True)]
+    sizes = Counter()
+    for ex in receipts[:60]:
+        pixels = np.asarray(ex.image)[..., 0].astype(int)
+        background = int(pixels[0, 0])
+        rows = (pixels != background).any(axis=1)  # a line: a band of rows with ink
+        starts = np.flatnonzero(np.diff(rows.astype(int), prepend=0) == 1)
+        ends = np.flatnonzero(np.diff(rows.astype(int), append=0) == -1) + 1
+        lines = ex.text.split("\n")
+        assert len(starts) == len(lines), ex.seed
+        rest, found, rights = pixels.copy(), set(), []
+        for i, (line, y0, y1) in enumerate(zip(lines, starts, ends)):
+            texts = [line] if i < 2 else line.rsplit(" ", 1)  # (left, price)
+            columns = np.flatnonzero((pixels[y0:y1] != background).any(axis=0))
+            matches = []
+            for size, bold in candidates:
+                spots = []
+                for j, text in enumerate(texts):
+                    patch = drawn(text, size, bold, background, 0)
+                    x = columns[0] if j == 0 else columns[-1] + 1 - patch.shape[1]
+                    y = found_at(pixels, patch, x, range(y0, y1 - patch.shape[0] + 1))
+                    spots.append(None if y is None else (x, y, patch.shape))
+                if None not in spots:
+                    matches.append((size, bold, spots))
+            assert len(matches) == 1, (ex.seed, line, [m[:2] for m in matches])
+            size, bold, spots = matches[0]
+            assert bold == (i == 0 or i == len(lines) - 1), (ex.seed, line)
+            found.add(size)
+            for x, y, (h, w) in spots:
+                rest[y : y + h, x : x + w] = background
+            if i >= 2:
+                rights.append(columns[-1] + 1)
+        assert len(found) == 1 and 18 <= min(found) <= 20, (ex.seed, found)
+        sizes[min(found)] += 1
+        assert max(rights) - min(rights) <= 1, (ex.seed, rights)  # right-aligned
+        assert (rest == background).all()  # nothing else drawn: a uniform background
+    assert set(sizes) == {18, 19, 20}
 
 
 def test_receipt_line_too_wide_is_redrawn_not_clipped():
