@@ -54,6 +54,7 @@ from .processing import (
     draw_boxes,
     load_image,
     parse_loc_tokens,
+    resolve_model_path,
 )
 from .weights import (
     DTYPES,
@@ -182,6 +183,12 @@ def add_evaluate_parser(commands) -> None:
     ev.add_argument("--batch-size", type=int, default=16)
     ev.add_argument("--max-new-tokens", type=int, default=64)
     ev.add_argument("--device", default="auto")
+    ev.add_argument(
+        "--record",
+        action="store_true",
+        help="also write the metrics into the folder's training_record.json "
+        "(under 'evaluations', with this command)",
+    )
 
 
 def parse_worlds(text: str) -> dict:
@@ -345,6 +352,8 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
 
     at_least(args, limit=1, batch_size=1, max_new_tokens=1)
     check_device(args.device)
+    if args.record:
+        record_path(args.model)  # before the slow part
     checkpoint_files(args.model)
     processor = PaliGemmaProcessor.from_pretrained(args.model)
     data = import_data()
@@ -360,9 +369,40 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
     )
+    metrics = compute_metrics(rows)
     print(f"{args.model} on {args.world} ({args.split}, {len(rows)} examples)")
-    print(format_metrics(compute_metrics(rows)))
+    print(format_metrics(metrics))
+    if args.record:
+        where = add_evaluation(args, argv, len(rows), metrics)
+        print(f"metrics added to {where}")
     return 0
+
+
+def record_path(model) -> Path:
+    record_file = resolve_model_path(model) / "training_record.json"
+    if not record_file.is_file():
+        raise FileNotFoundError(
+            f"--record: {record_file} does not exist; --record adds to the record "
+            f"that `train` writes into its output folder"
+        )
+    return record_file
+
+
+def add_evaluation(args, argv, examples: int, metrics: dict) -> Path:
+    "Add this evaluation to the model folder's training record, atomically"
+    record_file = record_path(args.model)
+    record = json.loads(record_file.read_text())
+    command = " ".join(["python -m paligemma_lib", *map(str, argv)])
+    evaluations = record.setdefault("evaluations", {})
+    evaluations[f"{args.world}/{args.split}"] = {
+        "command": command,
+        "examples": examples,
+        "metrics": metrics,
+    }
+    partial = record_file.with_name(f".{record_file.name}.partial")
+    partial.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(partial, record_file)
+    return record_file
 
 
 def check_sampling_flags(args: argparse.Namespace) -> None:

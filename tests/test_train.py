@@ -526,3 +526,27 @@ def test_train_then_evaluate_on_the_worlds(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert "character error rate" in run.stdout
+    assert "evaluations" not in json.loads((out / "training_record.json").read_text())
+    run = cli(
+        "evaluate",
+        "--model",
+        out,
+        "--world",
+        "ocr",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--record",
+    )
+    assert run.returncode == 0, run.stderr
+    record = json.loads((out / "training_record.json").read_text())
+    added = record["evaluations"]["ocr/test"]
+    assert added["examples"] == 2
+    assert "character error rate" in added["metrics"]["ocr"]
+    assert added["command"].endswith("--record") and record["steps"] == 2  # kept
+    (out / "training_record.json").unlink()
+    one_error_line(
+        cli("evaluate", "--model", out, "--world", "ocr", "--record"),
+        "training_record.json does not exist",
+    )
