@@ -961,6 +961,8 @@ def draw_boxes(image, objects, width: int = 3) -> Image.Image:
     image = to_rgb(image).copy()
     draw = ImageDraw.Draw(image)
     for i, ((x0, y0, x1, y1), label) in enumerate(objects):
+        x0, x1 = sorted((x0, x1))  # a model can write a box with its corners swapped
+        y0, y1 = sorted((y0, y1))
         colour = BOX_COLOURS[i % len(BOX_COLOURS)]
         draw.rectangle((x0, y0, x1, y1), outline=colour, width=width)
         # white text on a tab of the box's colour, above the box (inside at the top)

@@ -617,3 +617,12 @@ def test_draw_boxes():
         (100, 60)
     ) == (255, 255, 255)
     assert image.getpixel((51, 50)) == (255, 255, 255)  # the input is not drawn on
+
+
+def test_draw_boxes_with_corners_swapped():
+    "A model may write <locYMAX><locXMAX><locYMIN><locXMIN>: drawn as the same box"
+    image = Image.new("RGB", (200, 100), "white")
+    swapped = parse_loc_tokens("<loc0768><loc0768><loc0256><loc0256> cat", 200, 100)
+    upright = parse_loc_tokens("<loc0256><loc0256><loc0768><loc0768> cat", 200, 100)
+    assert swapped[0][0][0] > swapped[0][0][2]  # x0 > x1 as parsed
+    assert draw_boxes(image, swapped).tobytes() == draw_boxes(image, upright).tobytes()
