@@ -7,12 +7,12 @@ __all__ = ['CHECKPOINTS', 'TRAINING_STATE', 'TASKS', 'RECEIPT_FIELDS', 'MODEL_SI
            'global_batch', 'shard', 'autocast', 'training_step',
            'set_gradient_checkpointing', 'rng_states', 'set_rng_states',
            'save_checkpoint', 'latest_checkpoint', 'load_checkpoint',
-           'TrainConfig', 'world', 'init_distributed', 'train',
-           'validation_loss', 'predict', 'task_of', 'exact_match', 'box_iou',
-           'match_boxes', 'detection_metrics', 'levenshtein',
-           'character_error_rate', 'parse_receipt', 'receipt_metrics',
-           'compute_metrics', 'format_metrics', 'make_evaluator',
-           'model_config']
+           'TrainConfig', 'world', 'init_distributed', 'StepBatches',
+           'step_batches', 'train', 'validation_loss', 'predict', 'task_of',
+           'exact_match', 'box_iou', 'match_boxes', 'detection_metrics',
+           'levenshtein', 'character_error_rate', 'parse_receipt',
+           'receipt_metrics', 'compute_metrics', 'format_metrics',
+           'make_evaluator', 'model_config']
 
 # %% ../book/11b_training.ipynb #c003
 import contextlib
@@ -384,6 +384,47 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
+class StepBatches(torch.utils.data.Dataset):
+    """Item `step` -> this process's micro-batches for that optimiser step. A step's
+    batch depends only on (step, seed), so worker processes can build batches ahead
+    of the loop without changing what the model sees."""
+
+    def __init__(self, dataset, collate, config, rank: int = 0, world_size: int = 1):
+        self.dataset, self.collate, self.config = dataset, collate, config
+        self.rank, self.world_size = rank, world_size
+
+    def __len__(self) -> int:
+        return self.config.steps
+
+    def __getitem__(self, step: int) -> list:
+        c = self.config
+        indices = global_batch(len(self.dataset), c.batch_size, step, c.seed)
+        parts = shard(indices, self.rank, self.world_size, c.accumulation)
+        return [self.collate([self.dataset[i] for i in part]) for part in parts]
+
+
+def _as_is(item):
+    return item
+
+
+def step_batches(batches: StepBatches, start: int, workers: int = 0):
+    """The micro-batches of steps start, start + 1, ...: built in this process
+    (workers=0), or by `workers` processes of a DataLoader, a few steps ahead"""
+    steps = range(start, len(batches))
+    if workers == 0:
+        return (batches[step] for step in steps)
+    return iter(
+        torch.utils.data.DataLoader(
+            batches,
+            batch_size=None,
+            sampler=steps,
+            num_workers=workers,
+            collate_fn=_as_is,
+            prefetch_factor=4,
+        )
+    )
+
+
 def train(
     model: nn.Module,
     dataset,
@@ -396,6 +437,7 @@ def train(
     device="cpu",
     progress: bool = True,
     on_step=None,
+    workers: int = 0,
 ) -> dict:
     """Train `model` in place on `dataset` (ds[i] -> (image, prompt, answer)),
     batched by `collate` (a list of triples -> PaliGemmaBatch with labels).
@@ -408,6 +450,8 @@ def train(
     processor: saved into each checkpoint, so that it is a complete model folder.
     device: where the model trains (bf16 autocast on CUDA, fp32 elsewhere).
     on_step: on_step(step, loss) after each step, e.g. to stop a run early.
+    workers: processes that build batches ahead of the loop (0: build each in this
+        process when it is needed); the batches, and so the weights, are the same.
     Under torchrun (`init_distributed` called) the model is wrapped in
     DistributedDataParallel and each process takes its share of every global batch.
     Returns the history: lists "step", "loss", "lr", "grad_norm" and "eval" (dicts)."""
@@ -444,10 +488,12 @@ def train(
         unit="step",
     )
     begin, seen = time.perf_counter(), 0
+    if not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"workers={workers!r}: it must be an integer >= 0")
+    batches = StepBatches(dataset, collate, config, rank, world_size)
+    upcoming = step_batches(batches, start, workers)
     for step in range(start, config.steps):
-        indices = global_batch(len(dataset), config.batch_size, step, config.seed)
-        parts = shard(indices, rank, world_size, config.accumulation)
-        micro_batches = [collate([dataset[i] for i in part]) for part in parts]
+        micro_batches = next(upcoming)
         lr = optimizer.param_groups[0]["lr"]
         loss, norm = training_step(
             ddp,

@@ -265,6 +265,18 @@ def test_a_resumed_run_ends_bit_for_bit_equal(tmp_path):
     assert names == ["step-0000004", "step-0000006"]  # the last two, no stray folder
 
 
+def test_worker_processes_give_the_same_weights():
+    # batches built ahead by 2 DataLoader workers are the batches built in the loop
+    inline, ahead = toy_model(), toy_model()
+    train(inline, DATA, collate, SMALL, progress=False)
+    history = train(ahead, DATA, collate, SMALL, progress=False, workers=2)
+    assert history["step"] == [1, 2, 3, 4, 5, 6]
+    for (name, p), q in zip(inline.named_parameters(), ahead.parameters()):
+        assert torch.equal(p, q), name
+    with pytest.raises(ValueError, match="workers=-1"):
+        train(toy_model(), DATA, collate, SMALL, progress=False, workers=-1)
+
+
 def test_resume_refuses_other_settings_or_nothing_to_resume(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing to resume"):
         train(toy_model(), DATA, collate, SMALL, out_dir=tmp_path, resume=True)
@@ -458,6 +470,7 @@ def one_error_line(run, *words):
         (["--lr", "0"], ["lr"]),
         (["--device", "meta"], ["--device meta"]),
         (["--resume"], ["--resume", "no checkpoint"]),
+        (["--workers", "-2"], ["--workers", "0 or more"]),
     ],
 )
 def test_train_bad_flags_are_one_line(tmp_path, flags, words):
