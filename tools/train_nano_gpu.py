@@ -23,7 +23,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = {"lr-1e-3": ["--lr", "1e-3"], "lr-2e-3": ["--lr", "2e-3"]}
+RUNS = {
+    "lr-1e-3": ["--lr", "1e-3"],
+    "lr-2e-3": ["--lr", "2e-3"],
+    "lr-5e-4": ["--lr", "5e-4"],
+}
 SHIPPED = (
     "config.json",
     "model.safetensors",
@@ -41,6 +45,7 @@ def main() -> int:
     parser.add_argument("--config", default="nano")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--workers", type=int, default=7, help="per run")
+    parser.add_argument("--runs", default=",".join(RUNS), help="which of RUNS")
     parser.add_argument("--eval-reserve", type=float, default=100, help="seconds")
     args = parser.parse_args()
     begin = time.time()
@@ -54,7 +59,7 @@ def main() -> int:
         print(line, flush=True)
         print(line, file=log, flush=True)
 
-    def train(name, steps, extra, folder):
+    def train(name, steps, extra, folder, pipe=False):
         command = [
             sys.executable, "-m", "paligemma_lib", "train",
             "--config", args.config,
@@ -68,28 +73,38 @@ def main() -> int:
             *extra,
         ]  # fmt: skip
         say("$", " ".join(command[1:]))
-        return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=subprocess.PIPE if pipe else log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
-    # 1. how many steps a second, both runs sharing the GPU
-    calibration = 60
-    started = time.time()
-    procs = [
-        train(n, calibration, [*e, "--eval-size", "16"], work / f"cal-{n}")
-        for n, e in RUNS.items()
-    ]
-    if any(p.wait() for p in procs):
+    # 1. how many steps a second: the time between two evaluations of a short run
+    runs = {n: e for n, e in RUNS.items() if n in args.runs.split(",")}
+    stamps = {}
+    procs = []
+    for n, e in runs.items():
+        extra = [*e, "--eval-size", "16", "--eval-every", "30"]
+        procs.append(train(n, 90, extra, work / f"cal-{n}", pipe=True))
+    for line in procs[0].stdout:
+        log.write(line)
+        if line.startswith(("step 30:", "step 90:")):
+            stamps[line.split(":")[0]] = time.time()
+    if any(p.wait() for p in procs) or len(stamps) != 2:
         say("calibration failed; see the log")
         return 1
-    per_step = (time.time() - started) / calibration
+    per_step = (stamps["step 90"] - stamps["step 30"]) / 60
     left = args.budget - (time.time() - begin) - args.eval_reserve
     steps = max(100, int(left / per_step * 0.85) // 100 * 100)
-    say(f"calibration: {per_step:.3f} s a step (both runs); {steps} steps fit")
+    say(f"calibration: {per_step:.3f} s a step ({len(runs)} runs); {steps} steps fit")
 
     # 2. the runs
     evals = ["--eval-every", str(steps // 10), "--eval-size", "128"]
     saves = ["--save-every", str(steps // 4)]
     procs = {
-        n: train(n, steps, [*e, *evals, *saves], work / n) for n, e in RUNS.items()
+        n: train(n, steps, [*e, *evals, *saves], work / n) for n, e in runs.items()
     }
     codes = {n: p.wait() for n, p in procs.items()}
     say("training exit codes:", codes, f"({time.time() - begin:.0f} s in)")
