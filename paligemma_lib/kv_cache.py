@@ -37,7 +37,8 @@ class DynamicKVCache:
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c017
 class StaticKVCache:
-    "Keys and values allocated once for `max_length` positions; update returns views"
+    """Keys and values [B, K, max_length, d_h] allocated once; `update` writes in place
+    at the positions `seek` set and returns the whole buffers (mask the unwritten)"""
 
     def __init__(
         self,
@@ -59,29 +60,38 @@ class StaticKVCache:
             torch.zeros(shape, dtype=dtype, device=device)
             for _ in range(config.num_hidden_layers)
         ]
-        self.lengths = [0] * config.num_hidden_layers
         self.max_length = max_length
+        # [S_new]: the positions the next update writes
+        self.cache_position = torch.zeros(1, dtype=torch.long, device=device)
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        "How many positions layer `layer_idx` holds"
-        return self.lengths[layer_idx]
-
-    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-        "Write key/value [B, K, S_new, d_h] in place; return views of all so far"
-        start = self.lengths[layer_idx]
-        end = start + key.shape[-2]
-        if end > self.max_length:
+    def seek(self, start: int, length: int = 1):
+        "Make the next updates write positions start, ..., start + length - 1"
+        if start < 0 or start + length > self.max_length:
             raise ValueError(
-                f"the cache holds {self.max_length} positions and {start} are filled; "
-                f"{key.shape[-2]} more do not fit: build it with "
+                f"positions {start} to {start + length - 1} do not fit a cache of "
+                f"{self.max_length} positions: build it with "
                 f"max_length >= prompt length + max_new_tokens"
             )
-        self.keys[layer_idx][:, :, start:end] = key
-        self.values[layer_idx][:, :, start:end] = value
-        self.lengths[layer_idx] = end
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+        device = self.keys[0].device
+        self.cache_position = torch.arange(start, start + length, device=device)
 
-    def select_rows(self, rows: torch.Tensor):
-        "Keep only the batch rows `rows` (indices), in that order"
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
+    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
+        """Write key/value [B, K, S_new, d_h] at the positions set by `seek`; return
+        the whole buffers [B, K, max_length, d_h]"""
+        self.keys[layer_idx].index_copy_(2, self.cache_position, key)
+        self.values[layer_idx].index_copy_(2, self.cache_position, value)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def fill(self, prefill: DynamicKVCache):
+        "Copy a prefill's keys and values (a growing cache) into positions 0, 1, ..."
+        self.seek(0, prefill.get_seq_length())
+        for layer_idx, (key, value) in enumerate(zip(prefill.keys, prefill.values)):
+            self.update(layer_idx, key, value)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        "Not defined: every step attends over all max_length positions"
+        raise TypeError(
+            "a StaticKVCache attends over all its max_length positions, written or "
+            "not, so the model's forward cannot size its masks from it: prefill with "
+            "a DynamicKVCache and copy it in with fill(), then decode with decode_step"
+        )

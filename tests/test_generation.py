@@ -114,14 +114,9 @@ def test_cached_tokens_equal_recomputation(cache, kv_heads):
     )
 
 
-@pytest.mark.parametrize("cache_class", ["static", "dynamic"])
-def test_cache_returns_all_keys_so_far(cache_class):
+def test_dynamic_cache_returns_all_keys_so_far():
     config = tiny_config(kv_heads=2).text
-    cache = (
-        StaticKVCache(config, 3, 10)
-        if cache_class == "static"
-        else DynamicKVCache(config.num_hidden_layers)
-    )
+    cache = DynamicKVCache(config.num_hidden_layers)
     keys = [torch.randn(3, 2, n, 16) for n in (4, 1, 1)]
     for k in keys:
         for layer in range(2):
@@ -138,11 +133,48 @@ def test_cache_returns_all_keys_so_far(cache_class):
     )
 
 
-def test_static_cache_overflow_is_a_clear_error():
+def test_static_cache_writes_in_place_at_seek_and_returns_whole_buffers():
+    config = tiny_config(kv_heads=2).text
+    cache = StaticKVCache(config, 3, 10)
+    addresses = [t.data_ptr() for t in cache.keys + cache.values]
+    prefill = DynamicKVCache(config.num_hidden_layers)
+    first = torch.randn(3, 2, 4, 16)
+    for layer in range(2):
+        prefill.update(layer, first, -first)
+    cache.fill(prefill)
+    new = torch.randn(3, 2, 1, 16)
+    cache.seek(7)  # any slot: the position is data
+    for layer in range(2):
+        got_k, got_v = cache.update(layer, new, -new)
+    assert got_k.shape == (3, 2, 10, 16) and got_k.data_ptr() == addresses[1]
+    expected = torch.zeros(3, 2, 10, 16)
+    expected[:, :, :4], expected[:, :, 7:8] = first, new
+    torch.testing.assert_close(got_k, expected, rtol=0, atol=0)
+    torch.testing.assert_close(got_v, -expected, rtol=0, atol=0)
+    assert [t.data_ptr() for t in cache.keys + cache.values] == addresses
+
+
+def test_static_cache_overflow_and_seq_length_are_clear_errors():
     cache = StaticKVCache(tiny_config().text, 1, 3)
-    cache.update(0, torch.zeros(1, 1, 3, 16), torch.zeros(1, 1, 3, 16))
+    cache.seek(0, 3)
     with pytest.raises(ValueError, match="max_length >= prompt length"):
-        cache.update(0, torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1, 16))
+        cache.seek(3)
+    with pytest.raises(TypeError, match="prefill with a DynamicKVCache"):
+        cache.get_seq_length()
+
+
+def test_finished_rows_keep_their_slot_in_the_static_cache():
+    config = tiny_config()
+    model = model_for(config)
+    inputs = prompts(config, [5, 1, 9], seed=1)
+    free = generate(model, **inputs, max_new_tokens=8, eos_token_id=None)
+    batch_sizes = []
+    hook = model.language_model.model.layers[0].register_forward_pre_hook(
+        lambda module, args: batch_sizes.append(args[0].shape[0])
+    )
+    generate(model, **inputs, max_new_tokens=8, eos_token_id=free[1, 1].item())
+    hook.remove()
+    assert batch_sizes == [3] * len(batch_sizes) and len(batch_sizes) > 2
 
 
 def test_padded_batch_rows_equal_rows_alone_and_stop_at_eos():
@@ -193,7 +225,7 @@ def test_greedy_equals_transformers_generate(kv_heads):
     )
     assert type(ours.language_model.lm_head) is torch.nn.Linear
     assert torch.equal(
-        generate(ours, **inputs, max_new_tokens=12), expected
+        generate(ours, **inputs, max_new_tokens=12, decoding_linears=True), expected
     )  # DecodingLinear within generate
     assert (
         type(ours.language_model.lm_head) is torch.nn.Linear
@@ -404,7 +436,10 @@ def test_decoding_linears_lends_the_same_parameters_and_puts_the_modules_back():
     )
     assert module_types(model) == types
     assert torch.equal(
-        generate(model, **inputs, max_new_tokens=8, eos_token_id=None), expected
+        generate(
+            model, **inputs, max_new_tokens=8, eos_token_id=None, decoding_linears=True
+        ),
+        expected,
     )
     assert module_types(model) == types and all(
         m is modules[n] for n, m in model.named_modules()
@@ -472,3 +507,42 @@ def test_decoding_linear_takes_the_usual_product_off_the_cpu(monkeypatch):
     fast = DecodingLinear(24, 40, device="meta")
     fast(torch.empty(1, 24, device="meta"))
     assert len(calls) == 1
+
+
+def test_compiled_decoding_compiles_once_and_equals_eager():
+    """compile=True: one graph for every decoding step and for a second call, no graph
+    break, the tokens of the eager path, and the cache buffers never move"""
+    from torch._dynamo.utils import counters
+
+    from paligemma_lib.generation import _compiled_caches
+
+    torch._dynamo.reset()
+    counters.clear()
+    config = tiny_config()
+    model = model_for(config)
+    inputs = prompts(config, [5, 2, 8])
+    eager = generate(model, **inputs, max_new_tokens=8, eos_token_id=None)
+    compiled = generate(
+        model, **inputs, max_new_tokens=8, eos_token_id=None, compile=True
+    )
+    graphs = counters["stats"]["unique_graphs"]
+    kv_cache = _compiled_caches[model][1]  # kept for the next call
+    addresses = [t.data_ptr() for t in kv_cache.keys + kv_cache.values]
+    again = generate(model, **inputs, max_new_tokens=8, eos_token_id=None, compile=True)
+    assert [t.data_ptr() for t in kv_cache.keys + kv_cache.values] == addresses
+    assert graphs == 1 and counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    assert torch.equal(compiled, eager) and torch.equal(again, eager)
+    eos = eager[1, 2].item()  # a row finishes early: still the same graph
+    assert torch.equal(
+        generate(model, **inputs, max_new_tokens=8, eos_token_id=eos, compile=True),
+        generate(model, **inputs, max_new_tokens=8, eos_token_id=eos),
+    )
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_compile_needs_the_static_cache():
+    config = tiny_config()
+    model = model_for(config)
+    with pytest.raises(ValueError, match="compile=True needs cache='static'"):
+        generate(model, **prompts(config, [3]), cache="dynamic", compile=True)

@@ -1,0 +1,424 @@
+"""Decoding speed and LoRA memory of PaliGemma-3B on one GPU: ours against transformers.
+
+A benchmark, not a test, meant to run once on a CUDA GPU within a few minutes:
+
+    python benchmarks/gpu.py --out results/        # PaliGemma-3B, bf16, CUDA
+    python benchmarks/gpu.py --config tiny --device cpu --out /tmp/gpu-smoke  # a check
+
+It builds a PaliGemma-3B with random weights directly on the device in bfloat16 (no
+checkpoint on disk; the weights' layout and names are those of the real checkpoint,
+which chapter 9's loader reads), and a transformers model holding the very same tensors.
+Then, each section on its own (an error is recorded in the JSON and the next section
+runs), time-boxed by a deadline for the whole run:
+
+- decode: greedy decoding, ms per step (one token per row) at batch 1 and 8, for ours
+  eager, ours compiled (`generate(compile=True)`: CUDA graphs), transformers eager
+  (its dynamic cache) and transformers with its static cache, compiled (what
+  `cache_implementation="static"` does on a GPU). A step's time is the difference
+  between generating NEW_TOKENS tokens and one token (the prefill), divided by
+  NEW_TOKENS - 1, so the prefill is left out. The share of the bandwidth limit: the
+  bytes a step must read (the language model's weights, once per step whatever the
+  batch, plus the KV cache) over the device's memory bandwidth (`--bandwidth`,
+  3.35 TB/s for an H100 SXM), against the measured step.
+- lora: LoRA training at PaliGemma-3B's shapes: chapter 10's default targets, r=8, the
+  base in bf16, the adapters in fp32, gradient checkpointing, bf16 autocast, AdamW on
+  the adapters, batch 2 of about 300 tokens (256 image tokens and a text). Peak memory
+  (torch.cuda.max_memory_allocated) and the median step time.
+
+Results go to OUT/gpu-<device>-<date>.json; a table is printed at the end.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from hf_reference import transformers_name  # noqa: E402
+
+from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig  # noqa: E402
+from paligemma_lib.generation import generate  # noqa: E402
+from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration  # noqa: E402
+
+NEW_TOKENS = 64
+BATCHES = (1, 8)
+START = time.perf_counter()
+
+
+def log(*args):
+    print(f"[{time.perf_counter() - START:6.1f} s]", *args, flush=True)
+
+
+def tiny_config():
+    "The CPU check's model: the code paths of the real one, in seconds"
+    return PaliGemmaConfig(
+        vision=VisionConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=56,
+            patch_size=14,
+        ),
+        text=TextConfig(
+            vocab_size=1024,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+        ),
+        image_token_index=1023,
+        projection_dim=128,
+    )
+
+
+def build(config, device, dtype):
+    """Ours, random, built on the device in `dtype`; transformers' model holding the
+    same tensors (handed ours; its own are freed)"""
+    import transformers
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            ours = PaliGemmaForConditionalGeneration(config).eval()
+        with torch.device(device):  # its own random weights, replaced below
+            theirs = transformers.PaliGemmaForConditionalGeneration(
+                transformers.PaliGemmaConfig(**config.to_hf())
+            )
+    finally:
+        torch.set_default_dtype(default)
+    state = {transformers_name(k): v for k, v in ours.state_dict().items()}
+    theirs.load_state_dict(state, strict=True, assign=True)
+    theirs.tie_weights()
+    theirs.eval()
+    theirs.generation_config.eos_token_id = None  # exactly the tokens asked for
+    theirs.generation_config.pad_token_id = 0
+    return ours, theirs
+
+
+def prompts(config, batch_size, device, dtype, text_tokens=12, seed=0):
+    "Image tokens, <bos>, random text, newline; no padding; images of the right size"
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(
+        3, min(8000, config.text.vocab_size - 2), (text_tokens,), generator=g
+    )
+    row = [config.image_token_index] * config.num_image_tokens + [2] + text.tolist()
+    ids = torch.tensor([row + [108 % config.text.vocab_size]] * batch_size)
+    size = config.vision.image_size
+    pixels = torch.randn(batch_size, 3, size, size, generator=g)
+    return dict(
+        input_ids=ids.to(device),
+        pixel_values=pixels.to(device, dtype),
+        attention_mask=torch.ones_like(ids).to(device),
+        token_type_ids=torch.zeros_like(ids).to(device),
+    )
+
+
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_ours(model, inputs, new_tokens, compile=False):
+    return generate(
+        model, **inputs, max_new_tokens=new_tokens, eos_token_id=None, compile=compile
+    )
+
+
+def run_theirs(model, inputs, new_tokens, static=False, device="cuda"):
+    from transformers import CompileConfig
+
+    kw = {}
+    if static:
+        kw["cache_implementation"] = "static"
+        compile_config = CompileConfig()  # reduce-overhead: CUDA graphs
+        if torch.device(device).type != "cuda":
+            compile_config = CompileConfig(mode="default")
+            compile_config._compile_all_devices = True  # transformers' own switch
+        kw["compile_config"] = compile_config
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            **kw,
+        )
+    return out[:, inputs["input_ids"].shape[1] :]
+
+
+def timed(fn, device):
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def decode_bytes(model, config, batch_size, length, dtype):
+    """Bytes one decoding step reads: the language model's weights (the tied LM head
+    once) and the keys and values of `length` positions"""
+    weights = sum(p.numel() for p in model.language_model.parameters())
+    t = config.text
+    kv = 2 * t.num_hidden_layers * batch_size * t.num_key_value_heads * t.head_dim
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return itemsize * (weights + kv * length)
+
+
+def measure_decode(name, fn, device, repeats):
+    """ms per decoding step: (time of NEW_TOKENS tokens - time of 1) / (NEW_TOKENS - 1),
+    medians of `repeats` runs after a warm-up of each (the compiling one included)"""
+    started = time.perf_counter()
+    fn(NEW_TOKENS)
+    fn(1)
+    warm_up = time.perf_counter() - started
+    long, short, tokens = [], [], None
+    for _ in range(repeats):
+        seconds, tokens = timed(lambda: fn(NEW_TOKENS), device)
+        long.append(seconds)
+        short.append(timed(lambda: fn(1), device)[0])
+    step = (statistics.median(long) - statistics.median(short)) / (NEW_TOKENS - 1)
+    log(f"  {name}: {1e3 * step:.2f} ms/step (warm-up {warm_up:.1f} s)")
+    return step, warm_up, tokens
+
+
+def section(results, name, deadline, fn):
+    "Run fn() unless the deadline has passed; record its result or its error"
+    if time.perf_counter() > deadline:
+        results[name] = {"skipped": "out of time"}
+        log(f"{name}: skipped, out of time")
+        return
+    log(f"{name}: start")
+    try:
+        results[name] = fn()
+    except Exception as e:  # recorded, and the next section runs
+        results[name] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"{name}: {type(e).__name__}: {e}")
+        traceback.print_exc()
+        sys.stdout.flush()
+
+
+def decode_section(models, config, args, dtype, impl, batch_size):
+    ours, theirs = models["ours"], models["theirs"]
+    inputs = prompts(config, batch_size, args.device, dtype)
+    if impl == "ours eager":
+        fn = lambda n: run_ours(ours, inputs, n)  # noqa: E731
+    elif impl == "ours compiled":
+        torch._dynamo.reset()  # a fresh compile for this shape
+        fn = lambda n: run_ours(ours, inputs, n, compile=True)  # noqa: E731
+    elif impl == "transformers eager":
+        fn = lambda n: run_theirs(theirs, inputs, n, device=args.device)  # noqa: E731
+    else:
+        torch._dynamo.reset()
+
+        def fn(n):
+            return run_theirs(theirs, inputs, n, static=True, device=args.device)
+
+    step, warm_up, tokens = measure_decode(
+        f"{impl}, batch {batch_size}", fn, args.device, args.repeats
+    )
+    length = inputs["input_ids"].shape[1] + NEW_TOKENS // 2  # the mean position
+    nbytes = decode_bytes(ours, config, batch_size, length, dtype)
+    limit = nbytes / args.bandwidth
+    return {
+        "ms_per_step": 1e3 * step,
+        "ms_per_token": 1e3 * step / batch_size,
+        "tokens_per_s": batch_size / step,
+        "warm_up_s": warm_up,
+        "bytes_per_step": nbytes,
+        "bandwidth_limit_ms": 1e3 * limit,
+        "fraction_of_bandwidth_limit": limit / step,
+        "tokens": tokens.tolist(),
+    }
+
+
+def lora_section(config, args, dtype, seq_tokens=300, batch_size=2, steps=4):
+    from paligemma_lib.lora import LoraConfig, add_lora, count_parameters
+    from paligemma_lib.train import autocast, set_gradient_checkpointing
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    # the decoding sections' models stay allocated: the LoRA run's peak is above it
+    baseline = torch.cuda.memory_allocated() if device.type == "cuda" else None
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = PaliGemmaForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.requires_grad_(False)
+    targets = add_lora(model, LoraConfig(r=8, dtype=torch.float32))
+    set_gradient_checkpointing(model)
+    trainable, total = count_parameters(model)
+    text = seq_tokens - config.num_image_tokens - 1
+    inputs = prompts(config, batch_size, device, dtype, text_tokens=max(text, 4))
+    S = inputs["input_ids"].shape[1]
+    types = torch.zeros_like(inputs["input_ids"])
+    types[:, S // 2 + config.num_image_tokens // 2 :] = 1  # the last part: suffix
+    labels = inputs["input_ids"].masked_fill(types == 0, -100)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-4
+    )
+    model.train()
+    times = []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        with autocast(device):
+            loss = model(**{**inputs, "token_type_ids": types}, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    result = {
+        "targets": len(targets),
+        "trainable_parameters": trainable,
+        "parameters": total,
+        "batch_size": batch_size,
+        "sequence_length": S,
+        "step_s_median": statistics.median(times[1:]),
+        "step_s": times,
+        "loss": loss.item(),
+        "peak_memory_bytes": peak,
+        "baseline_bytes": baseline,
+        "peak_above_baseline_bytes": None if peak is None else peak - baseline,
+    }
+    peak_text = f"{peak / 2**30:.2f} GiB" if peak is not None else "n/a"
+    log(
+        f"  lora: {trainable:,} trainable of {total:,}; step "
+        f"{result['step_s_median']:.3f} s; peak {peak_text}"
+    )
+    del model, optimizer
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="folder for the JSON results")
+    parser.add_argument("--config", choices=["3b", "tiny"], default="3b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s")
+    parser.add_argument(
+        "--budget", type=float, default=300, help="no decode section starts after it"
+    )
+    args = parser.parse_args()
+    deadline = START + args.budget
+    import transformers
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = PaliGemmaConfig() if args.config == "3b" else tiny_config()
+    name = (
+        torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
+    )
+    results = {
+        "device": name,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "config": args.config,
+        "dtype": str(dtype),
+        "new_tokens": NEW_TOKENS,
+        "bandwidth_bytes_per_s": args.bandwidth,
+        "sections": {},
+    }
+    log(f"{name}, torch {torch.__version__}, transformers {transformers.__version__}")
+    sections = results["sections"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"gpu-{device.type}-{args.config}-{datetime.now():%Y%m%d-%H%M}.json"
+
+    def save():
+        path.write_text(json.dumps(results, indent=1))
+
+    models = {}
+    section(sections, "build", deadline, lambda: _build(models, config, device, dtype))
+    save()
+    order = ["ours eager", "transformers eager", "ours compiled"]
+    for impl in order:
+        for batch_size in BATCHES:
+            if "ours" not in models:
+                break
+            run = partial(decode_section, models, config, args, dtype, impl, batch_size)
+            section(sections, f"decode {impl}, batch {batch_size}", deadline, run)
+            save()
+    section(sections, "lora", deadline + 60, lambda: lora_section(config, args, dtype))
+    save()
+    for batch_size in BATCHES:
+        if "ours" not in models:
+            break
+        impl = "transformers static compiled"
+        run = partial(decode_section, models, config, args, dtype, impl, batch_size)
+        section(sections, f"decode {impl}, batch {batch_size}", deadline + 60, run)
+        save()
+    table(results)
+    save()
+    log(f"wrote {path}")
+
+
+def _build(models, config, device, dtype):
+    started = time.perf_counter()
+    models["ours"], models["theirs"] = build(config, device, dtype)
+    parameters = sum(p.numel() for p in models["ours"].parameters())
+    log(f"  built {parameters:,} parameters in {time.perf_counter() - started:.1f} s")
+    return {"parameters": parameters, "seconds": time.perf_counter() - started}
+
+
+def table(results):
+    "The summary: ms per step and the share of the bandwidth limit"
+    sections = results["sections"]
+    print("\nimpl                            batch  ms/step  tok/s   of limit  tokens")
+    for batch_size in BATCHES:
+        reference = sections.get(f"decode ours eager, batch {batch_size}", {})
+        for impl in [
+            "ours eager",
+            "ours compiled",
+            "transformers eager",
+            "transformers static compiled",
+        ]:
+            r = sections.get(f"decode {impl}, batch {batch_size}", {})
+            if "ms_per_step" not in r:
+                problem = r.get("error", r.get("skipped", "not run"))
+                print(f"{impl:32} {batch_size:5}  {problem[:60]}")
+                continue
+            same = "same" if r["tokens"] == reference.get("tokens") else "differ"
+            print(
+                f"{impl:32} {batch_size:5} {r['ms_per_step']:8.2f} "
+                f"{r['tokens_per_s']:7.1f} "
+                f"{100 * r['fraction_of_bandwidth_limit']:7.1f}%"
+                f"  {same}"
+            )
+    lora = sections.get("lora", {})
+    if "step_s_median" in lora:
+        peak = lora["peak_above_baseline_bytes"]
+        peak_text = f"{peak / 2**30:.2f} GiB" if peak is not None else "n/a"
+        print(
+            f"LoRA r=8, batch {lora['batch_size']} x {lora['sequence_length']} tokens: "
+            f"{lora['step_s_median']:.3f} s/step, peak memory {peak_text} "
+            f"(above what the decoding models held)"
+        )
+    else:
+        print("LoRA:", lora)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
