@@ -74,7 +74,11 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
                     list(EXAMPLES), label="or a bundled example", elem_id="examples"
                 )
                 preview = gr.Image(
-                    label="Image", type="pil", interactive=False, elem_id="preview"
+                    label="Image",
+                    type="pil",
+                    interactive=False,
+                    format="png",
+                    elem_id="preview",
                 )
             with gr.Column():
                 task = gr.Radio(
@@ -114,6 +118,7 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
                     label="Boxes",
                     type="pil",
                     interactive=False,
+                    format="png",
                     visible=False,
                     elem_id="boxes",
                 )
@@ -138,6 +143,7 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
                     label="Which image patches the token looked at",
                     type="pil",
                     interactive=False,
+                    format="png",
                     elem_id="heatmap",
                 )
 
