@@ -14,7 +14,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from browser import SCREENSHOTS, block_outside, chromium
+from browser import ROOT, SCREENSHOTS, block_outside, chromium
 from PIL import Image
 
 from paligemma_lib import PaliGemmaProcessor, load_pretrained
@@ -149,9 +149,15 @@ def shown_image(page, selector) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
 
 
+README_FIGURE = ROOT / "book" / "figures" / "demo_app.png"  # the README shows it
+
+
 def screenshot(page, name):
+    "Into _build/screenshots/; with UPDATE_FIGURES=1, the detect one also for README"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=SCREENSHOTS / f"app_{name}.png", full_page=True)
+    if name == "detect" and os.environ.get("UPDATE_FIGURES") == "1":
+        page.screenshot(path=README_FIGURE, full_page=True)
 
 
 def test_caption_of_a_bundled_shapes_example(page, reference):
