@@ -1,7 +1,7 @@
-"""The rendered book in the system Chromium, after `jupyter-book build --all -W .`: every
-chapter's page loads with no broken image, its maths rendered as SVG, no traceback in a
-cell's output, no code block wider than its column. One screenshot per chapter, in
-_build/screenshots/. Run by .ci/run after the build: pytest -m book."""
+"""The rendered book in the system Chromium, after `jupyter-book build --all -W .`:
+every chapter's page loads with no broken image, its maths rendered as SVG, no
+traceback in a cell's output, no code block wider than its column. One screenshot per
+chapter, in _build/screenshots/. Run by .ci/run after the build: pytest -m book."""
 
 from pathlib import Path
 
@@ -58,10 +58,11 @@ PROSE = """() => {
 }"""
 OUTPUTS = """() => [...document.querySelectorAll('.cell_output')]
     .map(el => el.innerText)"""
-WIDE_CODE = """() => [...document.querySelectorAll('.cell_input pre, div.highlight pre')]
+WIDE_CODE = """() => [...document.querySelectorAll('div.highlight pre')]
     .filter(pre => !pre.closest('.cell_output'))
     .filter(pre => pre.scrollWidth > pre.clientWidth + 1)
-    .map(pre => pre.innerText.split('\\n').reduce((a, b) => a.length > b.length ? a : b))"""
+    .map(pre => pre.innerText.split('\\n')
+        .reduce((a, b) => (a.length > b.length ? a : b)))"""
 
 
 @pytest.mark.parametrize("chapter", chapters(), ids=lambda c: Path(c).name)
