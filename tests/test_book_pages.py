@@ -59,7 +59,7 @@ PROSE = """() => {
 OUTPUTS = """() => [...document.querySelectorAll('.cell_output')]
     .map(el => el.innerText)"""
 WIDE_CODE = """() => [...document.querySelectorAll('div.highlight pre')]
-    .filter(pre => !pre.closest('.cell_output'))
+    .filter(pre => !pre.closest('.cell_output') && pre.clientWidth > 0)
     .filter(pre => pre.scrollWidth > pre.clientWidth + 1)
     .map(pre => pre.innerText.split('\\n')
         .reduce((a, b) => (a.length > b.length ? a : b)))"""
@@ -69,7 +69,8 @@ WIDE_CODE = """() => [...document.querySelectorAll('div.highlight pre')]
 def test_chapter_page(browser, chapter):
     path = HTML / f"{chapter}.html"
     assert path.is_file(), f"{path} was not built"
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    # 1440 px, a laptop's width: the column holds the book's 88-character code lines
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
     outside = block_outside(page, ("file://", "data:"))
     page.goto(path.as_uri())
     page.evaluate(TYPESET)
