@@ -1,10 +1,11 @@
 # Hand-written CLI wiring, not exported from a notebook: it parses, then calls the lib.
-"""Command line: answer one prompt about one image; train; evaluate.
+"""Command line: answer one prompt about one image; train; evaluate; the demo.
 
     python -m paligemma_lib generate --image PATH --prompt "caption en" [--model DIR]
     python -m paligemma_lib train --config nano --out DIR --steps N [--resume]
     torchrun --nproc_per_node 2 -m paligemma_lib train ...      # DDP
     python -m paligemma_lib evaluate --world shapes --split test [--model DIR]
+    python -m paligemma_lib demo [--model DIR] [--adapter DIR] [--host H] [--port N]
 
 --model defaults to nano, the small model shipped in the package (chapter 11).
 
@@ -124,6 +125,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_train_parser(commands)
     add_evaluate_parser(commands)
+    add_demo_parser(commands)
     return parser.parse_args(argv)
 
 
@@ -196,6 +198,56 @@ def add_evaluate_parser(commands) -> None:
         help="also write the metrics into the folder's training_record.json "
         "(under 'evaluations', with this command)",
     )
+
+
+def add_demo_parser(commands) -> None:
+    demo = commands.add_parser(
+        "demo", help="serve a web page that asks the model about images (Gradio)"
+    )
+    demo.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    demo.add_argument(
+        "--adapter",
+        default=None,
+        help="a LoRA adapter folder in PEFT's format, switchable in the page, or "
+        "'none'. Default: the shipped receipts adapter (chapter 12) when the "
+        "package has it",
+    )
+    demo.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; anything but this machine's own is warned about",
+    )
+    demo.add_argument("--port", type=int, default=7860)
+    demo.add_argument("--device", default="auto")
+
+
+def demo_command(args: argparse.Namespace, argv=None) -> int:
+    "Checks the flags, then imports Gradio (only now) and serves the page"
+    from .demo import shipped_adapter
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    check_device(args.device)
+    adapter = args.adapter
+    if adapter is None:
+        adapter = shipped_adapter("receipts")
+    elif adapter == "none":
+        adapter = None
+    elif not Path(adapter).is_dir():
+        raise ValueError(
+            f"--adapter {adapter}: no such folder; give a folder with "
+            "adapter_config.json and adapter_model.safetensors, or 'none'"
+        )
+    checkpoint_files(args.model)
+    try:
+        from .app import serve
+    except ModuleNotFoundError as e:
+        if e.name != "gradio":
+            raise
+        raise ValueError(
+            "the demo needs Gradio: pip install 'paligemma_lib[demo]'"
+        ) from None
+    return serve(args.model, adapter, args.host, args.port, args.device)
 
 
 def parse_worlds(text: str) -> dict:
@@ -542,6 +594,7 @@ COMMANDS = {
     "generate": generate_command,
     "train": train_command,
     "evaluate": evaluate_command,
+    "demo": demo_command,
 }
 
 

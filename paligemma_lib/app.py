@@ -1,0 +1,320 @@
+# Hand-written Gradio shell, not exported from a notebook: it lays out the page.
+__doc__ = """The demo (chapter 13): `python -m paligemma_lib demo`, or from Python
+
+    from paligemma_lib.app import build_app, launch
+    launch(build_app(model, processor, adapter="receipts"), port=7860)
+
+The model logic (prompts, generation, boxes, receipts, attention maps, input checks) is
+in `paligemma_lib.demo`, exported from chapter 13; this file only lays out the page and
+turns each error into a message in it. Gradio is imported here, and this module only
+when the demo starts (`pip install "paligemma_lib[demo]"`)."""
+
+import json
+import os
+import sys
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio loads
+
+import gradio as gr
+
+from .demo import (
+    EXAMPLES,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    adapter_disabled,
+    answer_attention,
+    example_image,
+    heatmap,
+    open_upload,
+    run_task,
+)
+from .processing import draw_boxes
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+TASK_CHOICES = [
+    ("caption", "caption"),
+    ("question", "question"),
+    ("detect", "detect"),
+    ("OCR", "ocr"),
+    ("receipt to JSON", "receipt"),
+]
+NO_ADAPTER = "none"
+MEAN = "mean of all layers"
+# Local fonts only: Gradio's default theme fetches its fonts from the web
+THEME = gr.themes.Default(
+    font=["ui-sans-serif", "system-ui", "sans-serif"],
+    font_mono=["ui-monospace", "monospace"],
+)
+
+
+def message(text: str) -> str:
+    return f"**{text}**" if text else ""
+
+
+def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
+    """The page. `model` may carry one LoRA adapter, named `adapter`; the page lets
+    the user switch it off (it is on for the receipt task by default)"""
+    layers = model.config.text.num_hidden_layers
+    with gr.Blocks(title="PaliGemma from scratch", analytics_enabled=False) as app:
+        image_state = gr.State(None)  # the PIL image asked about
+        maps_state = gr.State(None)  # [T, L, side, side]: attention, heads averaged
+        gr.Markdown(
+            "# PaliGemma from scratch: the demo\n"
+            "Upload an image or pick an example, choose a task, press **Run**. "
+            f"Images up to {MAX_IMAGE_BYTES // 2**20} MiB and "
+            f"{MAX_IMAGE_PIXELS // 10**6} megapixels."
+        )
+        with gr.Row():
+            with gr.Column():
+                upload = gr.File(label="Upload an image", elem_id="upload")
+                example = gr.Radio(
+                    list(EXAMPLES), label="or a bundled example", elem_id="examples"
+                )
+                preview = gr.Image(
+                    label="Image",
+                    type="pil",
+                    interactive=False,
+                    format="png",
+                    elem_id="preview",
+                )
+            with gr.Column():
+                task = gr.Radio(
+                    TASK_CHOICES, value="caption", label="Task", elem_id="task"
+                )
+                text = gr.Textbox(
+                    label="Question, or the object to detect",
+                    placeholder="what color is the square?",
+                    elem_id="text",
+                )
+                use_adapter = gr.Radio(
+                    [NO_ADAPTER, adapter] if adapter else [NO_ADAPTER],
+                    value=NO_ADAPTER,
+                    label="LoRA adapter",
+                    visible=adapter is not None,
+                    elem_id="adapter",
+                )
+                with gr.Accordion("Generation settings", open=False):
+                    decoding = gr.Radio(
+                        ["greedy", "sampling"],
+                        value="greedy",
+                        label="Decoding",
+                        elem_id="decoding",
+                    )
+                    temperature = gr.Slider(0.05, 2.0, 1.0, label="Temperature")
+                    top_k = gr.Number(0, precision=0, label="Top-k (0: all tokens)")
+                    top_p = gr.Slider(0.05, 1.0, 1.0, label="Top-p (1: all tokens)")
+                    seed = gr.Number(0, precision=0, label="Seed")
+                    max_new_tokens = gr.Slider(1, 128, 64, step=1, label="Max tokens")
+                run = gr.Button("Run", variant="primary", elem_id="run")
+                status = gr.Markdown(elem_id="message")
+        with gr.Row():
+            with gr.Column():
+                answer = gr.Textbox(label="Answer", interactive=False, elem_id="answer")
+                stats = gr.Markdown(elem_id="stats")
+                boxes = gr.Image(
+                    label="Boxes",
+                    type="pil",
+                    interactive=False,
+                    format="png",
+                    visible=False,
+                    elem_id="boxes",
+                )
+                receipt = gr.Code(
+                    label="Receipt",
+                    language="json",
+                    interactive=False,
+                    visible=False,
+                    elem_id="receipt",
+                )
+            with gr.Column():
+                token = gr.Radio(
+                    [], label="Attention of the answer token", elem_id="token"
+                )
+                layer = gr.Radio(
+                    [MEAN, *map(str, range(layers))],
+                    value=MEAN,
+                    label="Layer (heads averaged)",
+                    elem_id="layer",
+                )
+                attention = gr.Image(
+                    label="Which image patches the token looked at",
+                    type="pil",
+                    interactive=False,
+                    format="png",
+                    elem_id="heatmap",
+                )
+
+        def on_upload(file):
+            if file is None:
+                return None, None, ""
+            try:
+                image = open_upload(file)
+                return image, image, ""
+            except (ValueError, OSError) as e:
+                return None, None, message(str(e))
+
+        def on_example(name):
+            if not name:
+                return None, None, "", gr.update(), gr.update()
+            _, _, example_task, example_text = EXAMPLES[name]
+            image = example_image(name)
+            return image, image, "", example_task, example_text, on_task(example_task)
+
+        def on_task(chosen):
+            return adapter if adapter and chosen == "receipt" else NO_ADAPTER
+
+        def failed(text):
+            "The outputs of a run that did not happen: empty, and a message"
+            hidden = gr.update(value=None, visible=False)
+            tokens = gr.update(choices=[], value=None)
+            return "", "", hidden, hidden, tokens, None, None, message(text)
+
+        def on_run(image, chosen, typed, adapter_choice, decode, temp, k, p, s, n):
+            if image is None:
+                return failed("Upload an image or pick an example first")
+            sampling = {"do_sample": decode == "sampling"}
+            if sampling["do_sample"]:
+                sampling.update(
+                    temperature=float(temp),
+                    top_k=int(k) if k else None,
+                    top_p=float(p) if p < 1 else None,
+                )
+            try:
+                off = adapter_choice == NO_ADAPTER
+                with adapter_disabled(model) if off else nullcontext():
+                    result = run_task(
+                        model,
+                        processor,
+                        image,
+                        chosen,
+                        typed,
+                        max_new_tokens=int(n),
+                        seed=int(s) if sampling["do_sample"] else None,
+                        **sampling,
+                    )
+                    maps = (
+                        answer_attention(
+                            model, processor, image, result.prompt, result.token_ids
+                        )
+                        .mean(2)
+                        .numpy()  # [T, L, side, side]
+                        if result.token_ids
+                        else None
+                    )
+            except ValueError as e:
+                return failed(str(e))
+            except Exception as e:  # a bug: the page says so, the console has the trace
+                traceback.print_exc()
+                return failed(f"internal error ({type(e).__name__}: {e})")
+            tokens = [(f"{i}: {piece}", i) for i, piece in enumerate(result.pieces)]
+            stats_text = (
+                f"`{result.prompt}` -> {len(result.token_ids)} token(s) in "
+                f"{result.seconds:.2f} s, {result.tokens_per_second:.1f} tokens/s"
+            )
+            boxes_update = gr.update(value=None, visible=False)
+            if chosen == "detect":
+                boxes_update = gr.update(
+                    value=draw_boxes(image, result.boxes), visible=True
+                )
+            receipt_update = gr.update(value=None, visible=False)
+            note = ""
+            if chosen == "receipt":
+                if result.receipt is not None:
+                    receipt_update = gr.update(
+                        value=json.dumps(result.receipt, indent=2), visible=True
+                    )
+                else:
+                    note = message(result.receipt_error)
+            return (
+                result.text,
+                stats_text,
+                boxes_update,
+                receipt_update,
+                gr.update(choices=tokens, value=0 if tokens else None),
+                maps,
+                None if maps is None else heatmap(image, maps[0].mean(0)),
+                note,
+            )
+
+        def on_token(image, maps, index, which):
+            if image is None or maps is None or index is None:
+                return None
+            grids = maps[int(index)]  # [L, side, side]
+            grid = grids.mean(0) if which == MEAN else grids[int(which)]
+            return heatmap(image, grid)
+
+        upload.upload(on_upload, upload, [image_state, preview, status])
+        example.input(
+            on_example,
+            example,
+            [image_state, preview, status, task, text, use_adapter],
+        )
+        task.input(on_task, task, use_adapter)
+        run.click(
+            on_run,
+            [
+                image_state,
+                task,
+                text,
+                use_adapter,
+                decoding,
+                temperature,
+                top_k,
+                top_p,
+                seed,
+                max_new_tokens,
+            ],
+            [answer, stats, boxes, receipt, token, maps_state, attention, status],
+        )
+        for control in (token, layer):
+            control.change(on_token, [image_state, maps_state, token, layer], attention)
+    return app
+
+
+def launch(
+    app: gr.Blocks,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    inline: bool | None = None,
+    prevent_thread_lock: bool = False,
+):
+    "Serve the page on host:port, never through a public share link"
+    if host not in LOCAL_HOSTS:
+        print(
+            f"warning: --host {host} serves the demo to every machine that can reach "
+            "this one, with no login; use 127.0.0.1 to keep it on this machine",
+            file=sys.stderr,
+        )
+    return app.launch(
+        server_name=host,
+        server_port=port,
+        share=False,
+        inline=inline,
+        inbrowser=False,
+        prevent_thread_lock=prevent_thread_lock,
+        ssr_mode=False,
+        theme=THEME,
+        footer_links=[],
+        quiet=True,
+    )
+
+
+def serve(model_path, adapter_path=None, host="127.0.0.1", port=7860, device="auto"):
+    "Load the model (and adapter) and serve the demo until Ctrl-C"
+    from .lora import load_adapter
+    from .processing import PaliGemmaProcessor
+    from .weights import load_pretrained, resolve_device
+
+    processor = PaliGemmaProcessor.from_pretrained(model_path)
+    model = load_pretrained(model_path, device=resolve_device(device))
+    name = None
+    if adapter_path is not None:
+        load_adapter(model, adapter_path)
+        name = Path(adapter_path).name
+    print(f"serving {model_path}" + (f" with adapter {name}" if name else ""))
+    print(f"open http://{host}:{port} (Ctrl-C stops)")
+    launch(build_app(model, processor, adapter=name), host=host, port=port)
+    return 0

@@ -1,0 +1,265 @@
+"""Chapter 13: the demo, started as a user starts it (`python -m paligemma_lib demo`) on
+a free local port, driven in the system Chromium by Playwright. Each answer in the page
+is checked against the library called directly; screenshots: _build/screenshots/."""
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from browser import ROOT, SCREENSHOTS, block_outside, chromium
+from PIL import Image
+
+from paligemma_lib import PaliGemmaProcessor, load_pretrained
+from paligemma_lib.demo import (
+    EXAMPLES,
+    adapter_disabled,
+    example_image,
+    run_task,
+    shipped_adapter,
+)
+from paligemma_lib.lora import LoraConfig, add_lora, load_adapter, save_adapter
+from paligemma_lib.processing import draw_boxes
+
+pytest.importorskip("gradio", reason="the demo extra: pip install '.[demo]'")
+STARTUP_SECONDS = 180  # importing Gradio and loading the model, on a busy machine
+ANSWER_MS = 120_000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    "The shipped receipts adapter, or a random one in its place (B != 0: it acts)"
+    shipped = shipped_adapter("receipts")
+    if shipped is not None:
+        return shipped
+    model = load_pretrained("nano")
+    add_lora(model, LoraConfig(r=4, alpha=8))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    return save_adapter(model, tmp_path_factory.mktemp("adapters") / "receipts")
+
+
+@pytest.fixture(scope="module")
+def reference(adapter):
+    "What the page serves, loaded here: answers computed without the page"
+    model = load_pretrained("nano")
+    load_adapter(model, adapter)
+    return model, PaliGemmaProcessor.from_pretrained("nano")
+
+
+@pytest.fixture(scope="module")
+def server(adapter):
+    port = free_port()
+    command = [sys.executable, "-m", "paligemma_lib", "demo", "--port", str(port)]
+    process = subprocess.Popen(
+        [*command, "--adapter", str(adapter), "--device", "cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                pytest.fail(f"the demo did not start:\n{process.stdout.read()}")
+            time.sleep(0.5)
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    executable = chromium()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=executable)
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        page.outside = block_outside(page, (server,))
+        page.goto(server)
+        yield page
+        browser.close()
+
+
+def ask(page, example=None, task=None, text=None, adapter=None):
+    "Pick what is given, press Run"
+    from playwright.sync_api import expect
+
+    from paligemma_lib.app import TASK_CHOICES
+
+    labels = {value: label for label, value in TASK_CHOICES}
+    if example is not None:
+        page.locator("#examples").get_by_label(example, exact=True).check()
+        # the page sets the example's own task: wait for it, before changing it
+        first_task = labels[EXAMPLES[example][2]]
+        expect(
+            page.locator("#task").get_by_label(first_task, exact=True)
+        ).to_be_checked()
+    if task is not None:
+        page.locator("#task").get_by_label(labels[task], exact=True).check()
+    if text is not None:
+        page.locator("#text textarea").fill(text)
+    if adapter is not None:
+        page.locator("#adapter").get_by_label(adapter, exact=True).check()
+    page.locator("#run").click()
+
+
+def expected(reference, example, task, text="", adapter="none"):
+    model, processor = reference
+    image = example_image(example)
+    if adapter == "none":
+        with adapter_disabled(model):
+            return image, run_task(model, processor, image, task, text)
+    return image, run_task(model, processor, image, task, text)
+
+
+def wait_for_answer(page, want):
+    from playwright.sync_api import expect
+
+    expect(page.locator("#stats")).to_contain_text(want.prompt, timeout=ANSWER_MS)
+    expect(page.locator("#answer textarea")).to_have_value(want.text)
+    expect(page.locator("#heatmap img")).to_be_visible()
+
+
+def shown_image(page, selector) -> np.ndarray:
+    "The pixels of the image the page shows in `selector` (a PNG: exact)"
+    src = page.locator(f"{selector} img").get_attribute("src")
+    data = page.request.get(src).body()
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+README_FIGURE = ROOT / "book" / "figures" / "demo_app.png"  # the README shows it
+
+
+def screenshot(page, name):
+    "Into _build/screenshots/; with UPDATE_FIGURES=1, the detect one also for README"
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=SCREENSHOTS / f"app_{name}.png", full_page=True)
+    if name == "detect" and os.environ.get("UPDATE_FIGURES") == "1":
+        page.screenshot(path=README_FIGURE, full_page=True)
+
+
+def test_caption_of_a_bundled_shapes_example(page, reference):
+    image, want = expected(reference, "shapes", "caption")
+    model, processor = reference
+    from paligemma_lib import answer
+
+    with adapter_disabled(model):
+        direct = answer(model, processor, image, "caption en", max_new_tokens=64)
+    assert want.text == direct
+    ask(page, example="shapes", task="caption", adapter="none")
+    wait_for_answer(page, want)
+    assert "tokens/s" in page.locator("#stats").inner_text()
+    screenshot(page, "caption")
+
+
+def test_detect_draws_the_boxes(page, reference):
+    image, want = expected(reference, "shapes to detect", "detect", "circle")
+    ask(page, example="shapes to detect", task="detect", text="circle", adapter="none")
+    wait_for_answer(page, want)
+    assert want.boxes, "the model gave no box to draw"
+    drawn = np.asarray(draw_boxes(image, want.boxes))
+    assert np.array_equal(shown_image(page, "#boxes"), drawn)
+    screenshot(page, "detect")
+
+
+def test_question_and_ocr(page, reference):
+    _, want = expected(reference, "shapes", "question", "how many shapes are there?")
+    ask(page, example="shapes", task="question", text="how many shapes are there?")
+    wait_for_answer(page, want)
+    _, want = expected(reference, "text line", "ocr")
+    ask(page, example="text line", task="ocr", adapter="none")
+    wait_for_answer(page, want)
+    screenshot(page, "ocr")
+
+
+def test_receipt_to_json_with_the_adapter(page, reference):
+    from playwright.sync_api import expect
+
+    _, want = expected(reference, "receipt", "receipt", adapter="receipts")
+    ask(page, example="receipt", task="receipt", adapter="receipts")
+    wait_for_answer(page, want)
+    if want.receipt is not None:  # the JSON, pretty-printed
+        pretty = json.dumps(want.receipt, indent=2)
+        expect(page.locator("#receipt")).to_contain_text(pretty.splitlines()[1].strip())
+    else:  # a message that says why it is not JSON
+        expect(page.locator("#message")).to_have_text(want.receipt_error)
+    screenshot(page, "receipt")
+
+
+def test_attention_map_switches_per_token(page, reference):
+    _, want = expected(reference, "shapes to detect", "detect", "circle")
+    ask(page, example="shapes to detect", task="detect", text="circle", adapter="none")
+    wait_for_answer(page, want)
+    first = shown_image(page, "#heatmap")
+    page.locator("#token").get_by_label(f"1: {want.pieces[1]}", exact=True).check()
+    deadline = time.monotonic() + 30
+    while np.array_equal(shown_image(page, "#heatmap"), first):
+        assert time.monotonic() < deadline, "the heat map did not change"
+        time.sleep(0.2)
+
+
+def test_bad_input_gets_a_message(page, tmp_path):
+    from playwright.sync_api import expect
+
+    message = page.locator("#message")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not an image")
+    page.locator("#upload input[type=file]").set_input_files(str(notes))
+    expect(message).to_contain_text("notes.txt is not an image", timeout=ANSWER_MS)
+    screenshot(page, "not_an_image")
+
+    ask(page, example="shapes", task="question", text="   ")
+    expect(message).to_contain_text("the prompt is empty", timeout=ANSWER_MS)
+    ask(page, task="question", text="why? " * 400)
+    expect(message).to_contain_text("the prompt is too long", timeout=ANSWER_MS)
+    assert page.locator("#answer textarea").input_value() == ""
+
+
+def test_the_page_asks_nothing_of_the_internet(page):
+    assert page.outside == []
+
+
+def test_a_host_other_than_this_machine_is_warned_about(capsys):
+    from paligemma_lib.app import launch
+
+    class Recorder:
+        def launch(self, **settings):
+            self.settings = settings
+
+    app = Recorder()
+    launch(app, host="0.0.0.0", port=1234)
+    assert "warning: --host 0.0.0.0" in capsys.readouterr().err
+    assert app.settings["share"] is False and app.settings["server_port"] == 1234
+    launch(app, host="127.0.0.1")
+    assert capsys.readouterr().err == ""
+
+
+def test_gradio_analytics_are_off():
+    check = (
+        "import os, paligemma_lib.app; "
+        "assert os.environ['GRADIO_ANALYTICS_ENABLED'] == 'False'"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GRADIO_ANALYTICS_ENABLED"}
+    subprocess.run([sys.executable, "-c", check], check=True, env=env)
