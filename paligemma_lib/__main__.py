@@ -82,6 +82,37 @@ MODEL_HELP = (
 )
 
 
+ADAPTER_HELP = (
+    "a LoRA adapter to add to the model: a folder in PEFT's format (from `train "
+    "--lora`, PEFT or save_adapter), or the name of a shipped adapter (receipts, "
+    "for --model nano)"
+)
+
+
+def adapter_folder(name_or_path) -> Path:
+    "The adapter folder --adapter names, checked before any model loads"
+    from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, resolve_adapter_path
+
+    folder = resolve_adapter_path(name_or_path)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(
+                f"--adapter {name_or_path}: {folder} holds no {name}; give the folder "
+                f"that `train --lora` or PEFT's save_pretrained wrote"
+            )
+    return folder
+
+
+def with_adapter(model, args, device):
+    "The model with --adapter's LoRA weights added (unmerged), on `device`"
+    if args.adapter is None:
+        return model
+    from .lora import load_adapter
+
+    load_adapter(model, adapter_folder(args.adapter))
+    return model.to(device)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m paligemma_lib", description="PaliGemma from scratch"
@@ -92,6 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="answer one prompt about one image")
     gen.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    gen.add_argument("--adapter", default=None, help=ADAPTER_HELP)
     gen.add_argument("--image", required=True, help="image file")
     gen.add_argument(
         "--prompt",
@@ -137,7 +169,38 @@ def add_train_parser(commands) -> None:
         "train", help="train a model from scratch on the synthetic worlds"
     )
     tr.add_argument(
-        "--config", required=True, help="model size: nano, or tiny (for tests)"
+        "--config",
+        default=None,
+        help="train from scratch a model of this size: nano, or tiny (for tests)",
+    )
+    tr.add_argument(
+        "--model",
+        default=None,
+        help="or fine-tune this trained model (a checkpoint folder, or nano)",
+    )
+    tr.add_argument(
+        "--lora",
+        action="store_true",
+        help="with --model: train a LoRA adapter (chapter 10) and leave the model "
+        "frozen; the output folder gets the adapter, in PEFT's format",
+    )
+    tr.add_argument("--lora-r", type=int, default=8, help="the adapter's rank")
+    tr.add_argument(
+        "--lora-alpha", type=float, default=16, help="the update is scaled by alpha/r"
+    )
+    tr.add_argument(
+        "--lora-targets",
+        default="language",
+        help="the layers adapted: 'language' (the decoder's attention and MLP), "
+        "'all' (every Linear but the LM head, the vision tower's too), or "
+        "comma-separated module names",
+    )
+    tr.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="with --model: the frozen weights' dtype (bfloat16 halves their memory; "
+        "LoRA's own weights stay float32). Default: float32",
     )
     tr.add_argument(
         "--out", required=True, help="output folder: the model, checkpoints, record"
@@ -186,6 +249,7 @@ def add_train_parser(commands) -> None:
 def add_evaluate_parser(commands) -> None:
     ev = commands.add_parser("evaluate", help="the metrics table of a model on a world")
     ev.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    ev.add_argument("--adapter", default=None, help=ADAPTER_HELP)
     ev.add_argument("--world", required=True, choices=WORLDS)
     ev.add_argument("--split", default="test", choices=("train", "validation", "test"))
     ev.add_argument("--limit", type=int, default=200, help="examples to evaluate")
@@ -295,6 +359,24 @@ def at_least(args, **smallest) -> None:
             raise ValueError(f"{flag} must be at least {value}, got {given}")
 
 
+LORA_TARGETS = {  # --lora-targets shorthands
+    # chapter 10's default names, in the decoder only (SigLIP has q/k/v_proj too)
+    "language": r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj"
+    r"|down_proj)",
+    "all": "all-linear",  # PEFT's: every Linear but the LM head
+}
+
+
+def lora_settings(args):
+    "The LoraConfig that --lora-r, --lora-alpha and --lora-targets describe"
+    from .lora import LoraConfig
+
+    targets = LORA_TARGETS.get(args.lora_targets)
+    if targets is None:
+        targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    return LoraConfig(r=args.lora_r, alpha=args.lora_alpha, target_modules=targets)
+
+
 def batch_workers(asked: int | None, device: torch.device) -> int:
     "--workers, or its default for `device`"
     if asked is not None:
@@ -307,6 +389,7 @@ def batch_workers(asked: int | None, device: torch.device) -> int:
 
 
 def train_command(args: argparse.Namespace, argv) -> int:
+    from .lora import add_lora, count_parameters, save_adapter
     from .processing import GemmaTokenizer, default_tokenizer_path
     from .train import (
         MODEL_SIZES,
@@ -319,11 +402,20 @@ def train_command(args: argparse.Namespace, argv) -> int:
     )
     from .weights import save_pretrained
 
-    if args.config not in MODEL_SIZES:
+    if (args.config is None) == (args.model is None):
+        raise ValueError(
+            "give --config SIZE to train a model from scratch, or --model NAME|DIR to "
+            "fine-tune a trained one (e.g. --model nano), not both"
+        )
+    if args.config is not None and args.config not in MODEL_SIZES:
         raise ValueError(
             f"--config {args.config}: no such model size; choose among "
             f"{sorted(MODEL_SIZES)}"
         )
+    if args.model is None and (args.lora or args.dtype):
+        flag = "--lora" if args.lora else "--dtype"
+        raise ValueError(f"{flag} needs --model: the trained model to adapt")
+    lora = lora_settings(args) if args.lora else None
     at_least(args, steps=1, train_size=1, eval_size=1)
     worlds = parse_worlds(args.worlds)
     warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 20
@@ -359,15 +451,23 @@ def train_command(args: argparse.Namespace, argv) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     data = import_data()
 
-    tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
-    model_settings = model_config(args.config, tokenizer)
-    processor = PaliGemmaProcessor(
-        tokenizer,
-        image_size=model_settings.vision.image_size,
-        num_image_tokens=model_settings.num_image_tokens,
-    )
     torch.manual_seed(args.seed)
-    model = PaliGemmaForConditionalGeneration(model_settings)
+    if args.model is not None:
+        checkpoint_files(args.model)
+        processor = PaliGemmaProcessor.from_pretrained(args.model)
+        model = load_pretrained(args.model, dtype=args.dtype or "float32")
+        if lora is not None:
+            add_lora(model, lora)
+    else:
+        tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
+        model_settings = model_config(args.config, tokenizer)
+        processor = PaliGemmaProcessor(
+            tokenizer,
+            image_size=model_settings.vision.image_size,
+            num_image_tokens=model_settings.num_image_tokens,
+        )
+        model = PaliGemmaForConditionalGeneration(model_settings)
+    trainable, total = count_parameters(model)
     train_set = data.SyntheticDataset(
         worlds=worlds, split="train", size=args.train_size
     )
@@ -391,12 +491,24 @@ def train_command(args: argparse.Namespace, argv) -> int:
         workers=batch_workers(args.workers, device),
     )
     if rank == 0:
-        save_pretrained(model, out, processor=processor)
+        if lora is not None:
+            save_adapter(model, out)
+        else:
+            save_pretrained(model, out, processor=processor)
         record = {
-            "command": "python -m paligemma_lib " + " ".join(argv),
+            "command": "python -m paligemma_lib " + " ".join(map(str, argv)),
             "device": device_description(device),
             "processes": world_size,
-            "model": args.config,
+            "model": args.config or str(args.model),
+            "fine-tuned from": args.model,
+            "lora": None
+            if lora is None
+            else {
+                "r": lora.r,
+                "alpha": lora.alpha,
+                "target_modules": lora.target_modules,
+            },
+            "parameters": {"trainable": trainable, "total": total},
             "steps": config.steps,
             "seconds": round(time.time() - begin, 1),
             "resumed": args.resume,
@@ -426,10 +538,12 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
     if args.record:
         record_path(args.model)  # before the slow part
     checkpoint_files(args.model)
+    if args.adapter is not None:
+        adapter_folder(args.adapter)
     processor = PaliGemmaProcessor.from_pretrained(args.model)
     data = import_data()
     device = resolve_device(args.device)
-    model = load_pretrained(args.model, device=device)
+    model = with_adapter(load_pretrained(args.model, device=device), args, device)
     dataset = data.SyntheticDataset(
         worlds={args.world: 1.0}, split=args.split, size=args.limit
     )
@@ -550,9 +664,12 @@ def generate_command(args: argparse.Namespace, argv=None) -> int:
     # or one without tokenizer.model fails fast.
     image = load_image(args.image)
     checkpoint_files(args.model)
+    if args.adapter is not None:
+        adapter_folder(args.adapter)
     processor = PaliGemmaProcessor.from_pretrained(args.model)
     device = resolve_device(args.device)
     model = load_pretrained(args.model, dtype=args.dtype, device=device)
+    model = with_adapter(model, args, device)
     generator = (
         torch.Generator(device).manual_seed(args.seed)
         if args.seed is not None

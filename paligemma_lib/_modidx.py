@@ -281,6 +281,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'paligemma_lib.lora.merge_lora': ('lora.html#merge_lora', 'paligemma_lib/lora.py'),
                                     'paligemma_lib.lora.peft_name': ('lora.html#peft_name', 'paligemma_lib/lora.py'),
                                     'paligemma_lib.lora.peft_target_modules': ('lora.html#peft_target_modules', 'paligemma_lib/lora.py'),
+                                    'paligemma_lib.lora.resolve_adapter_path': ('lora.html#resolve_adapter_path', 'paligemma_lib/lora.py'),
                                     'paligemma_lib.lora.save_adapter': ('lora.html#save_adapter', 'paligemma_lib/lora.py'),
                                     'paligemma_lib.lora.unmerge_lora': ('lora.html#unmerge_lora', 'paligemma_lib/lora.py')},
             'paligemma_lib.paligemma': { 'paligemma_lib.paligemma.PaliGemmaForConditionalGeneration': ( 'paligemma.html#paligemmaforconditionalgeneration',

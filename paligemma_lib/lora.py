@@ -3,18 +3,19 @@
 # %% auto #0
 __all__ = ['DEFAULT_TARGETS', 'ALL_LINEAR', 'ADAPTER_CONFIG', 'ADAPTER_WEIGHTS',
            'PEFT_PREFIX', 'OURS_TO_PEFT', 'UNSUPPORTED', 'CHANGES_BASE',
-           'LORA_PARTS', 'LoraConfig', 'LoraLinear', 'matches',
-           'lora_modules', 'is_all_linear', 'find_targets', 'add_lora',
-           'count_parameters', 'merge_lora', 'unmerge_lora',
+           'LORA_PARTS', 'SHIPPED_ADAPTERS', 'LoraConfig', 'LoraLinear',
+           'matches', 'lora_modules', 'is_all_linear', 'find_targets',
+           'add_lora', 'count_parameters', 'merge_lora', 'unmerge_lora',
            'lora_state_dict', 'peft_name', 'peft_target_modules',
            'save_adapter', 'lora_config_from_peft', 'adapted_module',
-           'load_adapter']
+           'resolve_adapter_path', 'load_adapter']
 
 # %% ../book/10_lora.ipynb #c003
 import json
 import math
 import re
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -470,13 +471,35 @@ def adapted_module(key: str) -> tuple[str, str]:
     return name.removesuffix(part), part[1:7]
 
 
+# name -> its folder inside the package: adapters trained in the book (chapter 12)
+SHIPPED_ADAPTERS = {"receipts": "assets/receipts"}
+
+
+def resolve_adapter_path(name_or_path) -> Path:
+    """An adapter folder from a path or a shipped adapter's name ("receipts"); an
+    existing local folder of that name wins"""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    if str(name_or_path) in SHIPPED_ADAPTERS:
+        package = Path(find_spec("paligemma_lib").origin).parent
+        return package / SHIPPED_ADAPTERS[str(name_or_path)]
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no adapter folder at {path}, and {str(name_or_path)!r} is not the name "
+            f"of a shipped adapter ({', '.join(SHIPPED_ADAPTERS)})"
+        )
+    return path
+
+
 def load_adapter(
     model: nn.Module, folder, dtype: torch.dtype = torch.float32
 ) -> list[str]:
-    """Add the adapter saved in `folder` (PEFT's format; by PEFT or save_adapter) to
-    `model`, in place: the modules its file holds weights for are wrapped and loaded.
-    The names of the wrapped modules"""
-    folder = Path(folder)
+    """Add the adapter saved in `folder` (PEFT's format; by PEFT or save_adapter), or
+    the shipped adapter of that name (SHIPPED_ADAPTERS), to `model`, in place: the
+    modules its file holds weights for are wrapped and loaded. The names of the
+    wrapped modules"""
+    folder = resolve_adapter_path(folder)
     config_file, weights_file = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
     for file in (config_file, weights_file):
         if not file.is_file():

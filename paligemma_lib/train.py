@@ -33,10 +33,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
+from safetensors import safe_open
 from tqdm import tqdm
 
 from .config import PaliGemmaConfig, TextConfig, VisionConfig
 from .generation import answer
+from paligemma_lib.lora import (
+    ADAPTER_WEIGHTS,
+    adapted_module,
+    lora_modules,
+    save_adapter,
+)
 from .paligemma import IGNORE_INDEX
 from .processing import GemmaTokenizer, parse_loc_tokens
 from .weights import load_pretrained, save_pretrained
@@ -248,13 +255,17 @@ def save_checkpoint(
     into a hidden folder beside it, renamed when complete. It holds the model as
     save_pretrained writes it and training_state.pt: optimiser, scheduler, RNG states
     and `state` (step, data position, settings, history). Only the last `keep`
-    checkpoints are kept."""
+    checkpoints are kept. A model with LoRA adapters (chapter 10) is saved as its
+    adapter alone: the frozen base is the model the run started from."""
     root = Path(out_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state['step']:07d}"
     staging = root / f".{final.name}.saving-{secrets.token_hex(4)}"
     try:
-        save_pretrained(model, staging, processor=processor)
+        if lora_modules(model):
+            save_adapter(model, staging)
+        else:
+            save_pretrained(model, staging, processor=processor)
         training_state = {
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
@@ -283,8 +294,15 @@ def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
     -> the rest of its training state (step, data position, settings, history)"""
     folder = Path(folder)
     device = next(model.parameters()).device
-    stored = load_pretrained(folder, dtype=torch.float32, device=device)
-    model.load_state_dict(stored.state_dict())
+    adapters = lora_modules(model)
+    if adapters:  # the adapter's weights into the model's own LoRA modules
+        with torch.no_grad(), safe_open(folder / ADAPTER_WEIGHTS, "pt") as f:
+            for key in f.keys():
+                name, part = adapted_module(key)
+                getattr(adapters[name], part).weight.copy_(f.get_tensor(key))
+    else:
+        stored = load_pretrained(folder, dtype=torch.float32, device=device)
+        model.load_state_dict(stored.state_dict())
     state = torch.load(folder / TRAINING_STATE, map_location=device, weights_only=True)
     optimizer.load_state_dict(state.pop("optimizer"))
     scheduler.load_state_dict(state.pop("scheduler"))
