@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
-from safetensors import safe_open
 from tqdm import tqdm
 
 from .config import PaliGemmaConfig, TextConfig, VisionConfig
@@ -772,7 +772,7 @@ def make_evaluator(
     dataset,
     collate,
     batch_size: int = 16,
-    max_new_tokens: int = 32,
+    max_new_tokens: int = 64,  # a receipt's JSON is about 35 tokens
     device="cpu",
 ):
     """evaluate(model) -> {"validation loss", "<task> exact match", ...} on `dataset`,
