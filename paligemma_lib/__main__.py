@@ -223,6 +223,19 @@ def add_train_parser(commands) -> None:
         help="the training mix, e.g. shapes=0.7,ocr=0.3",
     )
     tr.add_argument(
+        "--data",
+        default=None,
+        help="train on your own examples instead of the worlds: a folder holding a "
+        'JSONL file of {"image": path, "prefix": ..., "suffix": ...} lines and the '
+        "images (chapter 12)",
+    )
+    tr.add_argument(
+        "--eval-data",
+        default=None,
+        help="with --data: a folder of the same format to evaluate on (default: no "
+        "evaluation during training)",
+    )
+    tr.add_argument(
         "--train-size", type=int, default=100_000, help="examples in the train split"
     )
     tr.add_argument(
@@ -416,6 +429,8 @@ def train_command(args: argparse.Namespace, argv) -> int:
         flag = "--lora" if args.lora else "--dtype"
         raise ValueError(f"{flag} needs --model: the trained model to adapt")
     lora = lora_settings(args) if args.lora else None
+    if args.eval_data is not None and args.data is None:
+        raise ValueError("--eval-data goes with --data (your own training examples)")
     at_least(args, steps=1, train_size=1, eval_size=1)
     worlds = parse_worlds(args.worlds)
     warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 20
@@ -450,6 +465,18 @@ def train_command(args: argparse.Namespace, argv) -> int:
     if device.type == "cuda" and world_size > 1:
         device = torch.device("cuda", torch.cuda.current_device())
     data = import_data()
+    if args.data is not None:  # checked line by line before the model loads
+        from .finetune import JsonlDataset
+
+        train_set = JsonlDataset(args.data)
+        validation = None if args.eval_data is None else JsonlDataset(args.eval_data)
+    else:
+        train_set = data.SyntheticDataset(
+            worlds=worlds, split="train", size=args.train_size
+        )
+        validation = data.SyntheticDataset(
+            worlds=worlds, split="validation", size=args.eval_size
+        )
 
     torch.manual_seed(args.seed)
     if args.model is not None:
@@ -468,14 +495,10 @@ def train_command(args: argparse.Namespace, argv) -> int:
         )
         model = PaliGemmaForConditionalGeneration(model_settings)
     trainable, total = count_parameters(model)
-    train_set = data.SyntheticDataset(
-        worlds=worlds, split="train", size=args.train_size
-    )
-    validation = data.SyntheticDataset(
-        worlds=worlds, split="validation", size=args.eval_size
-    )
     collate = data.Collator(processor)
-    evaluate = make_evaluator(processor, validation, collate, device=device)
+    evaluate = None
+    if validation is not None:
+        evaluate = make_evaluator(processor, validation, collate, device=device)
     begin = time.time()
     history = train(
         model,
@@ -512,7 +535,8 @@ def train_command(args: argparse.Namespace, argv) -> int:
             "steps": config.steps,
             "seconds": round(time.time() - begin, 1),
             "resumed": args.resume,
-            "worlds": worlds,
+            "worlds": None if args.data else worlds,
+            "data": args.data,
             "train_config": asdict(config),
             "final_metrics": history["eval"][-1] if history["eval"] else {},
             "history": history,

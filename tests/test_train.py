@@ -563,3 +563,117 @@ def test_train_then_evaluate_on_the_worlds(tmp_path):
         cli("evaluate", "--model", out, "--world", "ocr", "--record"),
         "training_record.json does not exist",
     )
+
+
+# --- fine-tuning: train --model, --lora, --adapter (chapter 12) ---
+
+
+def test_a_resumed_lora_run_ends_bit_for_bit_equal(tmp_path):
+    from paligemma_lib.lora import LoraConfig, add_lora, lora_state_dict
+
+    def adapted(seed=0):
+        model = toy_model()  # the same base weights every time
+        torch.manual_seed(seed)  # the adapter's own initialisation
+        add_lora(model, LoraConfig(r=2))
+        return model
+
+    uninterrupted = adapted()
+    base = {
+        k: v.clone() for k, v in uninterrupted.state_dict().items() if "lora" not in k
+    }
+    train(uninterrupted, DATA, collate, SMALL, progress=False)
+
+    def stop(step, loss):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(adapted(), DATA, collate, SMALL, out_dir=tmp_path, progress=False,
+              on_step=stop)  # fmt: skip
+    folder = latest_checkpoint(tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "training_state.pt",
+    ]  # the adapter alone: the base is frozen
+    resumed = adapted(seed=1)  # other adapter weights: the checkpoint replaces them
+    train(resumed, DATA, collate, SMALL, out_dir=tmp_path, resume=True, progress=False)
+    ours, theirs = lora_state_dict(uninterrupted), lora_state_dict(resumed)
+    assert ours.keys() == theirs.keys() and len(ours) > 0
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    for name, value in uninterrupted.state_dict().items():  # the base never moved
+        if "lora" not in name:
+            assert torch.equal(value, base[name]), name
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--config", "tiny", "--model", "nano"], ["--config", "--model", "not both"]),
+        ([], ["--config", "--model"]),
+        (["--config", "tiny", "--lora"], ["--lora needs --model"]),
+        (["--config", "tiny", "--eval-data", "x"], ["--eval-data goes with --data"]),
+        (["--model", "nano", "--data", "nowhere"], ["nowhere"]),
+        (["--model", "nano", "--lora", "--lora-targets", "nope"], ["nope"]),
+    ],
+)
+def test_fine_tuning_bad_flags_are_one_line(tmp_path, flags, words):
+    run = cli("train", "--out", tmp_path / "run", "--steps", "2", *flags)
+    one_error_line(run, *words)
+
+
+def test_train_lora_then_evaluate_with_the_adapter(tmp_path):
+    from paligemma_lib.weights import load_pretrained
+
+    base = tmp_path / "base"
+    run = cli("train", "--config", "tiny", "--out", base, "--steps", "1",
+              "--batch-size", "2", "--eval-size", "1", "--no-progress")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    out = tmp_path / "adapter"
+    run = cli("train", "--model", base, "--lora", "--lora-targets", "all",
+              "--worlds", "receipts=1", "--out", out, "--steps", "2",
+              "--batch-size", "2", "--eval-size", "1", "--lr", "0.05",
+              "--no-progress")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "training_record.json",
+    ]
+    record = json.loads((out / "training_record.json").read_text())
+    assert record["fine-tuned from"] == str(base) and record["lora"]["r"] == 8
+    trainable, total = record["parameters"]["trainable"], record["parameters"]["total"]
+    assert 0 < trainable < total
+    # the base folder is untouched; the adapter changes the model's output
+    from paligemma_lib.lora import load_adapter
+
+    model = load_pretrained(base).eval()
+    ids = torch.tensor([[5] * model.config.num_image_tokens + [2, 7, 8]])
+    pixels = torch.randn(1, 3, 224, 224)
+    before = model(input_ids=ids, pixel_values=pixels)
+    load_adapter(model, out)
+    after = model(input_ids=ids, pixel_values=pixels)
+    before, after = (getattr(x, "logits", x) for x in (before, after))
+    assert not torch.allclose(before, after)
+    run = cli("evaluate", "--model", base, "--adapter", out, "--world", "receipts",
+              "--limit", "1", "--max-new-tokens", "2")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "store accuracy" in run.stdout
+    run = cli("evaluate", "--model", base, "--adapter", tmp_path, "--world", "ocr")
+    one_error_line(run, "--adapter", "adapter_config.json")
+
+
+def test_the_shipped_receipts_adapter_reads_a_test_receipt():
+    from paligemma_lib.data import SyntheticDataset
+    from paligemma_lib.generation import answer
+    from paligemma_lib.lora import load_adapter
+    from paligemma_lib.weights import load_pretrained
+
+    model = load_pretrained("nano").eval()
+    processor = PaliGemmaProcessor.from_pretrained("nano")
+    image, prompt, truth = SyntheticDataset({"receipts": 1}, "test", size=1)[0]
+    assert answer(model, processor, image, prompt, max_new_tokens=48) != truth
+    names = load_adapter(model, "receipts")
+    assert any("vision" in n for n in names) and any("language" in n for n in names)
+    assert answer(model, processor, image, prompt, max_new_tokens=48) == truth
