@@ -18,8 +18,8 @@ On an H100 80GB HBM3 (torch 2.11.0+cu130), one run, 2026-11-22:
     copy, read + write                            3.02 TB/s
 
 So about 0.64 ms of each generate step is host work between graph replays (the
-finiteness check and the end-of-sequence test wait for the GPU; the bookkeeping kernels
-run eagerly), and the step itself reaches 1.9 TB/s where a plain matrix-vector product
+finiteness check waits for the GPU at every step, and the bookkeeping kernels run
+eagerly), and the step itself reaches 1.9 TB/s where a plain matrix-vector product
 reaches 2.9: the remaining gap is inside the graph (the decoder's smaller matrix
 products and the kernels between them). Both are where a next step would go; neither is
 fixed here.
