@@ -677,3 +677,23 @@ def test_the_shipped_receipts_adapter_reads_a_test_receipt():
     names = load_adapter(model, "receipts")
     assert any("vision" in n for n in names) and any("language" in n for n in names)
     assert answer(model, processor, image, prompt, max_new_tokens=48) == truth
+
+
+def test_train_lora_on_a_jsonl_folder(tmp_path):
+    from paligemma_lib.data import SyntheticDataset
+    from paligemma_lib.finetune import write_jsonl
+
+    receipts = SyntheticDataset({"receipts": 1}, "train", size=2)
+    write_jsonl([receipts[0], receipts[1]], tmp_path / "mine")
+    base, out = tmp_path / "base", tmp_path / "adapter"
+    run = cli("train", "--config", "tiny", "--out", base, "--steps", "1",
+              "--batch-size", "2", "--eval-size", "1", "--no-progress")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    run = cli("train", "--model", base, "--lora", "--data", tmp_path / "mine",
+              "--eval-data", tmp_path / "mine", "--out", out, "--steps", "2",
+              "--batch-size", "2", "--no-progress")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "receipt exact match" in run.stdout  # evaluated on --eval-data
+    record = json.loads((out / "training_record.json").read_text())
+    assert record["data"] == str(tmp_path / "mine") and record["worlds"] is None
+    assert (out / "adapter_model.safetensors").is_file()
