@@ -246,11 +246,16 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
             grid = grids.mean(0) if which == MEAN else grids[int(which)]
             return heatmap(image, grid)
 
-        upload.upload(on_upload, upload, [image_state, preview, status])
+        # One queue for the events that set the image and the run that reads it, so a
+        # Run pressed right after picking an example waits for the example's image
+        # (separate queues let the run read the image before it was set).
+        serial = {"concurrency_id": "image", "concurrency_limit": 1}
+        upload.upload(on_upload, upload, [image_state, preview, status], **serial)
         example.input(
             on_example,
             example,
             [image_state, preview, status, task, text, use_adapter],
+            **serial,
         )
         task.input(on_task, task, use_adapter)
         run.click(
@@ -268,6 +273,7 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
                 max_new_tokens,
             ],
             [answer, stats, boxes, receipt, token, maps_state, attention, status],
+            **serial,
         )
         for control in (token, layer):
             control.change(on_token, [image_state, maps_state, token, layer], attention)

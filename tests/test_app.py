@@ -89,7 +89,15 @@ def ask(page, example=None, task=None, text=None, adapter=None):
 
     labels = {value: label for label, value in TASK_CHOICES}
     if example is not None:
-        page.locator("#examples").get_by_label(example, exact=True).check()
+        radio = page.locator("#examples").get_by_label(example, exact=True)
+        if not radio.is_checked():  # picking it loads its image: wait for the preview
+            preview = page.locator("#preview img")
+            before = preview.get_attribute("src") if preview.count() else None
+            radio.check()
+            if before is None:
+                expect(preview).to_be_visible()
+            else:
+                expect(preview).not_to_have_attribute("src", before)
         # the page sets the example's own task: wait for it, before changing it
         first_task = labels[EXAMPLES[example][2]]
         expect(
