@@ -16,31 +16,44 @@ benchmarks/results/<device>-<config>[-busyN]-<date>.json. Run from the repositor
     python benchmarks/generate.py --only 3b --batches 1   # 3B widths, 2+2 layers
     python benchmarks/generate.py --device cuda   # bfloat16 on a GPU
 
-DecodingLinear is opt-in (`generate(..., decoding_linears=True)`) since this change: a
-default must never lose, and on a busy machine it lost, in both runs that measured it
-(the one below: 43.4 tok/s with it against 66.5 without, 0.65x; the earlier one quoted
-at the end of this docstring: 0.70x transformers with it, 1.06x with plain nn.Linear).
+On the book's build machine (2 CPU cores, torch 2.13.0, transformers 5.23.0, float32),
+2026-11-22, `--batches 1 8 --repeats 3`; tokens/s, and each against transformers eager
+and against transformers static compiled. Quiet (load average about 1, nothing else
+running; the JSON is benchmarks/results/cpu-mid-20261122-2212.json):
 
-This version, on the book's build machine (2 CPU cores, torch 2.13.0, transformers
-5.23.0, float32), which was shared and busy: other jobs (notebook test runs) kept the
-load average at 3 to 5 on its 2 cores throughout, so no run here was quiet.
-`python benchmarks/generate.py` (median of 3) ran past a 7-minute limit during batch 8
-(the warm-ups alone, which compile and run the no-cache reference, take minutes), so
-only batch 1 of the mid config is recorded, from its printout; tokens/s, and each
-against transformers eager and against transformers static compiled:
+    mid config                     batch   tok/s  vs eager  vs static compiled
+    ours (static cache, eager)        1     63.4    1.10x       0.87x
+    ours compiled                     1     73.1    1.27x       1.00x
+    transformers                      1     57.4    1.00x       0.79x
+    transformers static compiled      1     72.8    1.27x       1.00x
+    ours, DecodingLinear              1     64.4    1.12x       0.88x
+    ours, no cache                    1     10.2    0.18x       0.14x
+    ours (static cache, eager)        8    153.8    1.06x       0.98x
+    ours compiled                     8    157.5    1.09x       1.00x
+    transformers                      8    144.5    1.00x       0.92x
+    transformers static compiled      8    157.4    1.09x       1.00x
+    ours, DecodingLinear              8    217.1    1.50x       1.38x
+    ours, no cache                    8     14.1    0.10x       0.09x
 
-    mid config, batch 1              tok/s  vs eager  vs static compiled  warm-up
-    ours (static cache, eager)        66.5    1.55x       1.18x             2.7 s
-    ours compiled                     74.3    1.73x       1.32x            30.9 s
-    transformers                      42.9    1.00x       0.76x             0.6 s
-    transformers static compiled      56.5    1.32x       1.00x            33.2 s
-    ours, DecodingLinear              43.4    1.01x       0.77x             5.0 s
-    ours, no cache                     9.3    0.22x       0.16x            50.1 s
+Busy (`--busy 2`: two Python loops on the same two cores), batch 1 (batch 8 had not
+finished after 8 minutes and is not recorded):
 
-Same tokens as ours in every row. `--busy 2 --batches 1` (two more Python loops on the
-same, already loaded cores) did not finish batch 1 within 7 minutes and is not
-recorded. On a GPU, benchmarks/gpu.py measures PaliGemma-3B (its JSON is in
-benchmarks/results/).
+    ours (static cache, eager)        1     11.9    1.01x       2.11x
+    ours compiled                     1      5.9    0.50x       1.05x
+    transformers                      1     11.8    1.00x       2.09x
+    transformers static compiled      1      5.6    0.48x       1.00x
+    ours, DecodingLinear              1      1.9    0.16x       0.34x
+    ours, no cache                    1      0.7    0.06x       0.12x
+
+Same tokens as ours in every row. Read: on a quiet CPU, compiling is worth 15% at batch
+1 and little at batch 8, and ours and transformers' compiled paths tie; on a busy one,
+compiled code loses half its speed (probably its threads waiting for cores the loops
+hold) and eager wins. DecodingLinear is opt-in (`generate(..., decoding_linears=True)`):
+a default must never lose, and it lost badly on the busy machine (1.9 against 11.9 tok/s
+without it; an earlier busy run, with other jobs rather than loops: 43.4 against 66.5),
+while on the quiet one it wins at batch 8 (1.41x ours eager) and ties at batch 1. On a
+GPU, benchmarks/gpu.py measures PaliGemma-3B (its JSON is in benchmarks/results/), and
+benchmarks/decode_gap.py where a compiled step's time goes.
 
 Earlier measurements (before the static cache and compile), for the record:
 
