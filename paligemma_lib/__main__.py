@@ -416,9 +416,10 @@ def train_command(args: argparse.Namespace, argv) -> int:
     from .weights import save_pretrained
 
     if (args.config is None) == (args.model is None):
+        which = "one of them, not both" if args.config else "one of them"
         raise ValueError(
             "give --config SIZE to train a model from scratch, or --model NAME|DIR to "
-            "fine-tune a trained one (e.g. --model nano), not both"
+            f"fine-tune a trained one (e.g. --model nano): {which}"
         )
     if args.config is not None and args.config not in MODEL_SIZES:
         raise ValueError(
