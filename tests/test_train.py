@@ -623,13 +623,18 @@ def test_fine_tuning_bad_flags_are_one_line(tmp_path, flags, words):
     one_error_line(run, *words)
 
 
+def trained_tiny_model(folder: Path) -> Path:
+    "A model folder from one step of `train --config tiny`: a base to fine-tune"
+    run = cli("train", "--config", "tiny", "--out", folder, "--steps", "1",
+              "--batch-size", "2", "--eval-size", "1", "--no-progress")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return folder
+
+
 def test_train_lora_then_evaluate_with_the_adapter(tmp_path):
     from paligemma_lib.weights import load_pretrained
 
-    base = tmp_path / "base"
-    run = cli("train", "--config", "tiny", "--out", base, "--steps", "1",
-              "--batch-size", "2", "--eval-size", "1", "--no-progress")  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    base = trained_tiny_model(tmp_path / "base")
     out = tmp_path / "adapter"
     run = cli("train", "--model", base, "--lora", "--lora-targets", "all",
               "--worlds", "receipts=1", "--out", out, "--steps", "2",
@@ -685,10 +690,7 @@ def test_train_lora_on_a_jsonl_folder(tmp_path):
 
     receipts = SyntheticDataset({"receipts": 1}, "train", size=2)
     write_jsonl([receipts[0], receipts[1]], tmp_path / "mine")
-    base, out = tmp_path / "base", tmp_path / "adapter"
-    run = cli("train", "--config", "tiny", "--out", base, "--steps", "1",
-              "--batch-size", "2", "--eval-size", "1", "--no-progress")  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    base, out = trained_tiny_model(tmp_path / "base"), tmp_path / "adapter"
     run = cli("train", "--model", base, "--lora", "--data", tmp_path / "mine",
               "--eval-data", tmp_path / "mine", "--out", out, "--steps", "2",
               "--batch-size", "2", "--no-progress")  # fmt: skip
