@@ -4,11 +4,10 @@
 __all__ = ['KEY_MAP', 'EMBEDDING', 'LM_HEAD', 'SINGLE_FILE', 'INDEX_FILE', 'DTYPES',
            'POOLING_HEAD', 'CheckpointError', 'read_safetensors_header',
            'our_name', 'read_checkpoint_json', 'checkpoint_files',
-           'stored_tensors', 'check_tensors', 'has_native_bf16',
-           'resolve_dtype', 'resolve_device', 'skip_pooling_head',
-           'check_tied_head', 'read_tensors', 'load_pretrained',
-           'save_pretrained', 'hub_cache', 'cached_snapshots',
-           'find_real_checkpoint']
+           'stored_tensors', 'check_tensors', 'resolve_dtype',
+           'resolve_device', 'skip_pooling_head', 'check_tied_head',
+           'read_tensors', 'load_pretrained', 'save_pretrained', 'hub_cache',
+           'cached_snapshots', 'find_real_checkpoint']
 
 # %% ../book/09_loading_real_weights.ipynb #c003
 import json
@@ -25,6 +24,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .config import PaliGemmaConfig
+from .generation import has_native_bf16
 from .paligemma import PaliGemmaForConditionalGeneration
 from .processing import read_json, resolve_model_path
 
@@ -268,14 +268,6 @@ DTYPES = {
     "fp32": torch.float32,
 }
 _STORED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-
-
-def has_native_bf16(device: torch.device) -> bool:
-    "False on a CUDA GPU older than Ampere (compute capability < 8.0, e.g. a T4)"
-    device = torch.device(device)
-    if device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def resolve_dtype(dtype, stored_dtype: str, device=None) -> torch.dtype:
