@@ -157,6 +157,7 @@ def process_images(
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c003
 import io
+import itertools
 import json
 import random
 import re
@@ -298,9 +299,15 @@ def tokenizer_corpus(num_examples: int = 2000, seed: int = 0) -> list[str]:
 # %% ../book/06_tokenizer_and_processor.ipynb #c011
 def train_tokenizer(sentences, vocab_size: int = 1792) -> bytes:
     "A serialized SentencePiece BPE model: Gemma's conventions, PaliGemma's tokens"
+    # every printable ASCII character (and the newline) gets a piece, even if the
+    # corpus lacks it. Each also goes in once more as a sentence of its own: a required
+    # character that the text never shows outside user-defined symbols (`<`, `>`)
+    # makes sentencepiece 0.2.2's trainer abort the process. A one-character sentence
+    # holds no pair of characters, so it changes no merge.
+    required_chars = "".join(chr(c) for c in range(33, 127)) + "\n"
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
+        sentence_iterator=itertools.chain(sentences, required_chars),
         model_writer=model,
         model_type="bpe",
         vocab_size=vocab_size,
@@ -320,9 +327,7 @@ def train_tokenizer(sentences, vocab_size: int = 1792) -> bytes:
         normalization_rule_name="identity",
         character_coverage=1.0,
         allow_whitespace_only_pieces=True,
-        # every printable ASCII character (and the newline) gets a piece, even if the
-        # corpus lacks it
-        required_chars="".join(chr(c) for c in range(33, 127)) + "\n",
+        required_chars=required_chars,
         num_threads=1,
         minloglevel=2,
     )
