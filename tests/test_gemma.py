@@ -165,14 +165,14 @@ def test_4d_mask_equals_2d_mask():
     mask_4d = make_causal_mask(padding, 6, torch.float32)
     with torch.no_grad():
         from_2d = ours(input_ids, attention_mask=padding).logits
-        torch.testing.assert_close(
-            ours(input_ids, attention_mask=mask_4d).logits, from_2d, rtol=0, atol=0
-        )
+        from_4d = ours(input_ids, attention_mask=mask_4d).logits
+        # bit for bit: the 2D mask becomes this very 4D mask, then the same arithmetic
+        torch.testing.assert_close(from_4d, from_2d, rtol=0, atol=0)
         # -inf is clamped to the finite minimum.
         with_inf = mask_4d.masked_fill(mask_4d < 0, float("-inf"))
-        torch.testing.assert_close(
-            ours(input_ids, attention_mask=with_inf).logits, from_2d, rtol=0, atol=0
-        )
+        from_inf = ours(input_ids, attention_mask=with_inf).logits
+        # bit for bit: after the clamp the mask is the same numbers
+        torch.testing.assert_close(from_inf, from_2d, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -226,6 +226,8 @@ def test_cache_hooks_give_the_same_logits_as_one_pass():
                 ).logits
             )
     assert cache.get_seq_length() == 8
+    # float32: cached and full runs differ only in the order and length of the
+    # reductions, ~sqrt(n) 2^-24 relative per layer on logits up to ~10
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
 
 
@@ -286,6 +288,7 @@ def test_inputs_embeds_are_used_as_given():
             ours(inputs_embeds=ours.model.embed(ids)).logits, ours(ids).logits
         )
         unscaled = ours(inputs_embeds=ours.model.embed_tokens(ids)).logits
+    # without the sqrt(hidden) scale the logits move by O(1), far beyond rounding
     assert not torch.allclose(unscaled, ours(ids).logits)
 
 
@@ -354,6 +357,7 @@ def test_rms_norm_equals_transformers(dtype):
 def test_rms_norm_is_not_layer_norm():
     x = torch.randn(4, 32) + 2.0
     layer_norm = torch.nn.LayerNorm(32, elementwise_affine=False, eps=1e-6)
+    # inputs with mean 2: the two norms differ by O(1), far beyond 1e-2
     assert not torch.allclose(GemmaRMSNorm(32)(x), layer_norm(x), atol=1e-2)
 
 
@@ -363,6 +367,8 @@ def test_mlp_equals_transformers():
     theirs = hf_gemma.GemmaMLP(GemmaConfig(hidden_size=32, intermediate_size=80))
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn(2, 7, 32)
+    # float32, the same matmuls and GELU, kernels may sum the 32/80 terms in other
+    # orders: ~1e-7 on outputs < 1
     torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
 
 
@@ -407,8 +413,12 @@ def test_rope_scores_depend_only_on_distance_and_norms_are_kept():
         torch.testing.assert_close(q_m.norm(), q.norm())
         return (q_m * k_n).sum()
 
+    # float32 angles: at position ~100 the angle rounds by half an ulp of 100 (4e-6
+    # rad), at ~1000 by 3e-5 rad, times the score's terms (~1): 1e-5 and 1e-4
     torch.testing.assert_close(score(3, 1), score(103, 101), atol=1e-5, rtol=1e-5)
+    # the same, at ~1000
     torch.testing.assert_close(score(40, 7), score(1040, 1007), atol=1e-4, rtol=1e-5)
+    # another distance: the score moves by O(0.1), far beyond rounding
     assert not torch.isclose(score(3, 1), score(3, 2))
 
 
@@ -444,9 +454,9 @@ def test_rope_needs_no_state_and_survives_meta_construction():
 
 def test_repeat_kv_equals_repeat_interleave_and_broadcasting():
     k = torch.randn(2, 2, 5, 8)
-    torch.testing.assert_close(
-        repeat_kv(k, 3), k.repeat_interleave(3, dim=1), rtol=0, atol=0
-    )
+    expected = k.repeat_interleave(3, dim=1)
+    # bit for bit: repeat_kv only copies values
+    torch.testing.assert_close(repeat_kv(k, 3), expected, rtol=0, atol=0)
     assert repeat_kv(k, 1) is k
     q, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 5, 8)
     torch.testing.assert_close(
@@ -473,9 +483,9 @@ def test_attention_equals_transformers(variant):
     mask = make_causal_mask(
         torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), 5, torch.float32
     )
-    torch.testing.assert_close(
-        ours(x, cos_sin, mask), theirs(x, cos_sin, mask)[0], atol=1e-5, rtol=1e-5
-    )
+    ours_out, their_out = ours(x, cos_sin, mask), theirs(x, cos_sin, mask)[0]
+    # float32, reductions of a few tens of terms in other orders: ~1e-6 relative
+    torch.testing.assert_close(ours_out, their_out, atol=1e-5, rtol=1e-5)
 
 
 def test_masks():
@@ -661,6 +671,8 @@ def test_left_padding_counted_or_skipped_in_positions_gives_the_same_logits():
     with torch.no_grad():
         a = ours(input_ids, attention_mask=left_padded, position_ids=counting).logits
         b = ours(input_ids, attention_mask=left_padded, position_ids=skipping).logits
+    # float32: RoPE depends only on m - n, the two differ by angle rounding at other
+    # absolute positions and reduction order: ~1e-6 relative on logits up to ~10
     torch.testing.assert_close(a[real], b[real], atol=1e-4, rtol=1e-4)
 
 

@@ -142,11 +142,10 @@ def test_process_images_equals_transformers(mode):
     theirs = torch.from_numpy(
         reference(images=their_inputs, return_tensors="np")["pixel_values"]
     )
+    ours = process_images(images, image_size=56)
     # float32 both sides, values in [-1, 1], two or three roundings each (rescale,
     # then normalise): a few units of 2^-23, below 1e-6; one level is 2/255 = 7.8e-3
-    torch.testing.assert_close(
-        process_images(images, image_size=56), theirs, atol=1e-6, rtol=0
-    )
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
 
 
 def test_conv_patch_embedding_equals_unfold_and_linear():
@@ -159,9 +158,10 @@ def test_conv_patch_embedding_equals_unfold_and_linear():
         conv.bias.copy_(linear.bias)
     # [B, 3 * 14 * 14, N] -> [B, N, 588], N = 9 patches
     unfolded = nn.functional.unfold(x, kernel_size=14, stride=14).transpose(1, 2)
-    torch.testing.assert_close(
-        conv(x).flatten(2).transpose(1, 2), linear(unfolded), atol=1e-5, rtol=1e-5
-    )
+    from_conv = conv(x).flatten(2).transpose(1, 2)
+    # float32, 588-term dot products summed in other orders by the conv and matmul
+    # kernels: ~sqrt(588) 2^-24 of partial sums below 1, about 1e-6
+    torch.testing.assert_close(from_conv, linear(unfolded), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -196,6 +196,8 @@ def test_embeddings_equal_transformers(config):
     x = torch.randn(2, 3, config.image_size, config.image_size)
     out = ours(x)
     assert out.shape == (2, config.num_image_tokens, config.hidden_size)
+    # float32, the same conv and addition, kernels may sum the 588 terms in other
+    # orders: ~1e-7 on outputs < 1
     torch.testing.assert_close(out, theirs(x), atol=1e-6, rtol=0)
 
 
@@ -280,6 +282,7 @@ def test_bilinear_is_the_half_pixel_rule_truncated_to_uint8(size):
     )
     pixels = process_images(image, image_size=size, resample="bilinear")[0]
     levels = (pixels.double() + 1) * 255 / 2
+    # whole levels: float32 pixels (error ~2^-24) times 127.5 is ~1e-5 of a level
     torch.testing.assert_close(levels, exact.floor(), atol=1e-4, rtol=0)
     assert pixels.min() >= -1 and pixels.max() <= 1
 
@@ -295,12 +298,9 @@ def test_bilinear_does_not_antialias():
 def test_default_resample_is_bicubic_and_unchanged():
     images = [scene(), scene(45, 80)]
     default = process_images(images, image_size=28)
-    torch.testing.assert_close(
-        default,
-        process_images(images, image_size=28, resample="bicubic"),
-        rtol=0,
-        atol=0,
-    )
+    bicubic = process_images(images, image_size=28, resample="bicubic")
+    # bit for bit: the default is the same call
+    torch.testing.assert_close(default, bicubic, rtol=0, atol=0)
     assert not torch.equal(
         default, process_images(images, image_size=28, resample="bilinear")
     )
@@ -319,12 +319,9 @@ def test_sixteen_bit_is_the_reference_on_the_scaled_8_bit_image():
     gray8 = np.asarray(scene(mode="L"))
     gray16 = Image.fromarray(gray8.astype(np.uint16) * 257)
     theirs = reference(images=[Image.fromarray(gray8)], return_tensors="np")
-    torch.testing.assert_close(
-        process_images(gray16, image_size=56),
-        torch.from_numpy(theirs["pixel_values"]),
-        atol=1e-6,
-        rtol=0,
-    )
+    ours, theirs = process_images(gray16, image_size=56), theirs["pixel_values"]
+    # float32 both sides, a few roundings each of values in [-1, 1]: below 1e-6
+    torch.testing.assert_close(ours, torch.from_numpy(theirs), atol=1e-6, rtol=0)
 
 
 def test_sixteen_bit_differs_from_the_reference_exactly_where_it_clips():

@@ -147,11 +147,10 @@ def assert_same_batch(ours: PaliGemmaBatch, theirs, with_labels: bool):
         "labels"
     ] * with_labels:
         assert torch.equal(ours[key], theirs[key]), key
+    ours_pixels, their_pixels = ours.pixel_values, theirs["pixel_values"]
     # float32 both sides, values in [-1, 1], two or three roundings each (rescale,
     # then normalise): a few units of 2^-23, below 1e-6; one level is 2/255 = 7.8e-3
-    torch.testing.assert_close(
-        ours.pixel_values, theirs["pixel_values"], atol=1e-6, rtol=0
-    )
+    torch.testing.assert_close(ours_pixels, their_pixels, atol=1e-6, rtol=0)
 
 
 # The tokenizer
