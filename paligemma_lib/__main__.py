@@ -149,6 +149,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    "The command line: generate, train, evaluate, demo"
     parser = argparse.ArgumentParser(
         prog="python -m paligemma_lib",
         description="PaliGemma from scratch: answer, train, evaluate, serve the demo",
@@ -208,7 +213,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_train_parser(commands)
     add_evaluate_parser(commands)
     add_demo_parser(commands)
-    return parser.parse_args(argv)
+    return parser
 
 
 WORLDS = ("shapes", "ocr", "receipts")
@@ -398,9 +403,9 @@ def add_demo_parser(commands) -> None:
     demo.add_argument(
         "--adapter",
         default=None,
-        help="a LoRA adapter folder in PEFT's format, switchable in the page, or "
-        "'none'. Default: the shipped receipts adapter (chapter 12) when the "
-        "package has it",
+        help="a LoRA adapter folder in PEFT's format, switchable in the page (where "
+        "it starts on), or 'none'. Default: the shipped receipts adapter (chapter "
+        "12) when the package has it",
     )
     demo.add_argument(
         "--host",
