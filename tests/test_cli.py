@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -846,3 +847,32 @@ def test_evaluate_names_the_adapter(capsys):
         out.splitlines()[0]
         == "nano with adapter receipts on receipts (test, 1 examples)"
     )
+
+
+def test_the_readme_first_command_and_what_nano_has_seen(capsys):
+    "The README's picture is a test scene of the data module, captioned as it says"
+    from paligemma_lib.data import COLOURS, SIDES, make_example
+
+    root = Path(__file__).resolve().parents[1]
+    readme = " ".join((root / "README.md").read_text().split())
+    picture = root / "book" / "figures" / "nano_scene.png"
+    scene = make_example("shapes", 1_000_012_002, "caption")
+    assert np.array_equal(np.asarray(load_image(picture)), np.asarray(scene.image))
+    command = 'generate --image book/figures/nano_scene.png --prompt "caption en"'
+    assert f"python -m paligemma_lib {command}" in readme
+    assert f"The first prints `{scene.answer}`" in readme
+    code = main(["generate", "--image", str(picture), "--prompt", "caption en"])
+    assert code == 0 and capsys.readouterr().out == scene.answer + "\n"
+    assert (
+        f"shapes (circle, square, triangle) of {SIDES[0]}-{SIDES[1]} pixels" in readme
+    )
+    assert f"four fixed colours ({', '.join(COLOURS)})" in readme
+    assert "light-grey background (levels 210-250)" in readme
+    # the corner pixel is background (shapes keep a margin): its levels, over scenes
+    corners = {
+        make_example("shapes", seed).image.getpixel((0, 0)) for seed in range(300)
+    }
+    assert all(r == g == b for r, g, b in corners)
+    assert 210 <= min(corners)[0] and max(corners)[0] <= 250
+    nano = load_pretrained("nano").config.text.max_position_embeddings
+    assert f"8192 for PaliGemma, {nano} for `nano`" in readme
