@@ -299,6 +299,13 @@ def test_every_event_returns_one_value_per_output(reference, tmp_path):
     assert image is None and "is not an image" in status
     assert answer_text == "" and stats == "" and values[8] is None  # maps: gone
     assert len(upload.fn(None)) == 10
+    # an answer stopped at the page's Max tokens before <eos> says so
+    scene = example_image("shapes")
+    settings = ("greedy", 1.0, 0, 1.0, 0)
+    cut = handlers["on_run"].fn(scene, "caption", "", "none", *settings, 2)
+    assert "stopped at the 2-token limit" in cut[-1], cut[-1]
+    whole = handlers["on_run"].fn(scene, "caption", "", "none", *settings, 64)
+    assert whole[-1] == "" and whole[0], whole
 
 
 def test_the_adapter_switch_starts_on_the_served_adapter(page, server):
