@@ -98,15 +98,16 @@ def ask(page, example=None, task=None, text=None, adapter=None):
             preview = page.locator("#preview img")
             before = preview.get_attribute("src") if preview.count() else None
             radio.check()
+            # the example's image is made on the server, behind any run in the queue
             if before is None:
-                expect(preview).to_be_visible()
+                expect(preview).to_be_visible(timeout=ANSWER_MS)
             else:
-                expect(preview).not_to_have_attribute("src", before)
+                expect(preview).not_to_have_attribute("src", before, timeout=ANSWER_MS)
         # the page sets the example's own task: wait for it, before changing it
         first_task = labels[EXAMPLES[example][2]]
         expect(
             page.locator("#task").get_by_label(first_task, exact=True)
-        ).to_be_checked()
+        ).to_be_checked(timeout=ANSWER_MS)
     if task is not None:
         page.locator("#task").get_by_label(labels[task], exact=True).check()
     if text is not None:
