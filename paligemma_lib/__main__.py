@@ -16,16 +16,24 @@ import os
 import signal
 import sys
 
+# What Ctrl-C says and the status it ends with; a command may replace it (train says
+# where to resume, the demo stops quietly)
+ON_INTERRUPT = {"message": lambda: "error: interrupted", "status": 130}
+
 
 def _interrupted(signum, frame):
-    """Ctrl-C, in any phase: one line and the shell's status for SIGINT (128 + 2).
+    """Ctrl-C, in any phase: one line and, but for the demo, the shell's status for
+    SIGINT (128 + 2). The demo is a server that runs until Ctrl-C, its documented way
+    to stop: there it ends with status 0, as `python -m http.server` does.
 
     `os._exit`, not `sys.exit`: a `SystemExit` raised wherever the signal lands can be
     swallowed by a bare `except:` in a library being imported, and the run would go on
-    and end with status 0. Nothing is half-written at this point but a `--draw` file."""
+    and end with status 0. Nothing is half-written at this point but a `--draw` file
+    (train's checkpoints are written to a staging folder and renamed when complete)."""
     sys.stdout.flush()
-    print("error: interrupted", file=sys.stderr, flush=True)
-    os._exit(130)
+    # on a line of its own: a progress bar may hold the cursor mid-line
+    print("\n" + ON_INTERRUPT["message"](), file=sys.stderr, flush=True)
+    os._exit(ON_INTERRUPT["status"])
 
 
 # Run as a program: first, before the slow imports, so that Ctrl-C never prints a
@@ -37,6 +45,7 @@ import argparse
 import json
 import math
 import platform
+import re
 import time
 import warnings
 from dataclasses import asdict
@@ -47,7 +56,8 @@ from PIL import Image
 from safetensors import SafetensorError
 
 from . import __version__
-from .generation import answer
+from .demo import MAX_IMAGE_PIXELS, check_image_pixels
+from .generation import TruncatedAnswerWarning, answer
 from .paligemma import PaliGemmaForConditionalGeneration
 from .processing import (
     SHIPPED,
@@ -64,6 +74,8 @@ from .weights import (
     load_pretrained,
     resolve_device,
 )
+
+DEFAULT_MAX_NEW_TOKENS = 64  # generate's: the longest answer of a shipped task is 41
 
 BAD_INPUT = (
     CheckpointError,
@@ -87,6 +99,20 @@ ADAPTER_HELP = (
     "--lora`, PEFT or save_adapter), or the name of a shipped adapter (receipts, "
     "for --model nano)"
 )
+
+
+def check_model(name_or_path) -> None:
+    "The checkpoint files of --model, with a hint when it names an adapter folder"
+    from .lora import ADAPTER_CONFIG
+
+    folder = Path(name_or_path)
+    if (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file():
+        raise ValueError(
+            f"--model {name_or_path} is a LoRA adapter, not a model: give it as "
+            f"--adapter {name_or_path}, with --model the model it was trained on "
+            "(its adapter_config.json names it)"
+        )
+    checkpoint_files(name_or_path)
 
 
 def adapter_folder(name_or_path) -> Path:
@@ -113,33 +139,62 @@ def with_adapter(model, args, device):
     return model.to(device)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    "argparse's defaults formatter, quiet where there is no default to show"
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:  # none, or a flag
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    "The command line: generate, train, evaluate, demo"
     parser = argparse.ArgumentParser(
-        prog="python -m paligemma_lib", description="PaliGemma from scratch"
+        prog="python -m paligemma_lib",
+        description="PaliGemma from scratch: answer, train, evaluate, serve the demo",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--version", action="version", version=f"paligemma_lib {__version__}"
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="answer one prompt about one image")
+    gen = commands.add_parser(
+        "generate",
+        help="answer one prompt about one image",
+        formatter_class=HelpFormatter,
+    )
     gen.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     gen.add_argument("--adapter", default=None, help=ADAPTER_HELP)
-    gen.add_argument("--image", required=True, help="image file")
+    gen.add_argument(
+        "--image",
+        required=True,
+        help="an image file (PNG, JPEG, ...; a local file, not a URL), of at most "
+        f"{MAX_IMAGE_PIXELS // 10**6} megapixels",
+    )
     gen.add_argument(
         "--prompt",
         required=True,
         help='task prompt, e.g. "caption en", "answer en ...", "detect cat"',
     )
-    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help="stop after this many tokens; an answer stopped before its end says so "
+        "in a note on stderr",
+    )
     gen.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
         default=None,
         help="default: as stored in the checkpoint",
     )
-    gen.add_argument(
-        "--device", default="auto", help="'auto' (GPU when present), 'cpu', 'cuda', ..."
-    )
+    gen.add_argument("--device", default="auto", help=DEVICE_HELP)
     gen.add_argument(
         "--do-sample",
         action="store_true",
@@ -158,15 +213,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_train_parser(commands)
     add_evaluate_parser(commands)
     add_demo_parser(commands)
-    return parser.parse_args(argv)
+    return parser
 
 
 WORLDS = ("shapes", "ocr", "receipts")
+DEVICE_HELP = "'auto' (the GPU when there is one), 'cpu', 'cuda', 'cuda:1', ..."
+LORA_DEFAULTS = {"lora_r": 8, "lora_alpha": 16.0, "lora_targets": "language"}
 
 
 def add_train_parser(commands) -> None:
     tr = commands.add_parser(
-        "train", help="train a model from scratch on the synthetic worlds"
+        "train",
+        help="train a model from scratch, or fine-tune one (every weight, or a LoRA "
+        "adapter), on the synthetic worlds or your own examples",
+        formatter_class=HelpFormatter,
     )
     tr.add_argument(
         "--config",
@@ -184,16 +244,25 @@ def add_train_parser(commands) -> None:
         help="with --model: train a LoRA adapter (chapter 10) and leave the model "
         "frozen; the output folder gets the adapter, in PEFT's format",
     )
-    tr.add_argument("--lora-r", type=int, default=8, help="the adapter's rank")
     tr.add_argument(
-        "--lora-alpha", type=float, default=16, help="the update is scaled by alpha/r"
+        "--lora-r",
+        type=int,
+        default=None,
+        help=f"with --lora: the adapter's rank (default: {LORA_DEFAULTS['lora_r']})",
+    )
+    tr.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=None,
+        help="with --lora: the update is scaled by alpha/r "
+        f"(default: {LORA_DEFAULTS['lora_alpha']})",
     )
     tr.add_argument(
         "--lora-targets",
-        default="language",
-        help="the layers adapted: 'language' (the decoder's attention and MLP), "
-        "'all' (every Linear but the LM head, the vision tower's too), or "
-        "comma-separated module names",
+        default=None,
+        help="with --lora: the layers adapted: 'language' (the decoder's attention "
+        "and MLP), 'all' (every Linear but the LM head, the vision tower's too), or "
+        f"comma-separated module names (default: {LORA_DEFAULTS['lora_targets']})",
     )
     tr.add_argument(
         "--dtype",
@@ -214,9 +283,24 @@ def add_train_parser(commands) -> None:
     )
     tr.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     tr.add_argument("--warmup-steps", type=int, default=None, help="default: steps/20")
-    tr.add_argument("--min-lr-ratio", type=float, default=0.1)
-    tr.add_argument("--weight-decay", type=float, default=0.1)
-    tr.add_argument("--max-grad-norm", type=float, default=1.0)
+    tr.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=0.1,
+        help="the cosine schedule ends at this fraction of --lr",
+    )
+    tr.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.1,
+        help="AdamW's decoupled weight decay (not on norms, biases, embeddings)",
+    )
+    tr.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=1.0,
+        help="clip the gradients' global norm to this",
+    )
     tr.add_argument(
         "--worlds",
         default="shapes=0.7,ocr=0.3",
@@ -243,12 +327,24 @@ def add_train_parser(commands) -> None:
     )
     tr.add_argument("--eval-every", type=int, default=0, help="0: at the end only")
     tr.add_argument("--save-every", type=int, default=0, help="0: at the end only")
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--gradient-checkpointing", action="store_true")
     tr.add_argument(
-        "--resume", action="store_true", help="continue from the newest checkpoint"
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the new weights, LoRA's initialisation and the data order",
     )
-    tr.add_argument("--device", default="auto")
+    tr.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each layer's activations in the backward pass: less "
+        "memory, one more forward pass per step",
+    )
+    tr.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --out (same flags as the run)",
+    )
+    tr.add_argument("--device", default="auto", help=DEVICE_HELP)
     tr.add_argument(
         "--workers",
         type=int,
@@ -260,15 +356,34 @@ def add_train_parser(commands) -> None:
 
 
 def add_evaluate_parser(commands) -> None:
-    ev = commands.add_parser("evaluate", help="the metrics table of a model on a world")
+    ev = commands.add_parser(
+        "evaluate",
+        help="the metrics table of a model on a world",
+        formatter_class=HelpFormatter,
+    )
     ev.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     ev.add_argument("--adapter", default=None, help=ADAPTER_HELP)
-    ev.add_argument("--world", required=True, choices=WORLDS)
-    ev.add_argument("--split", default="test", choices=("train", "validation", "test"))
+    ev.add_argument(
+        "--world",
+        required=True,
+        choices=WORLDS,
+        help="the synthetic world whose examples are asked (chapter 11)",
+    )
+    ev.add_argument(
+        "--split",
+        default="test",
+        choices=("train", "validation", "test"),
+        help="which seeds: the test split was never trained on",
+    )
     ev.add_argument("--limit", type=int, default=200, help="examples to evaluate")
-    ev.add_argument("--batch-size", type=int, default=16)
-    ev.add_argument("--max-new-tokens", type=int, default=64)
-    ev.add_argument("--device", default="auto")
+    ev.add_argument("--batch-size", type=int, default=16, help="examples at a time")
+    ev.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help="the longest answer generated",
+    )
+    ev.add_argument("--device", default="auto", help=DEVICE_HELP)
     ev.add_argument(
         "--record",
         action="store_true",
@@ -279,23 +394,26 @@ def add_evaluate_parser(commands) -> None:
 
 def add_demo_parser(commands) -> None:
     demo = commands.add_parser(
-        "demo", help="serve a web page that asks the model about images (Gradio)"
+        "demo",
+        help="serve a web page that asks the model about images (Gradio); Ctrl-C "
+        "stops it",
+        formatter_class=HelpFormatter,
     )
     demo.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     demo.add_argument(
         "--adapter",
         default=None,
-        help="a LoRA adapter folder in PEFT's format, switchable in the page, or "
-        "'none'. Default: the shipped receipts adapter (chapter 12) when the "
-        "package has it",
+        help="a LoRA adapter folder in PEFT's format, switchable in the page (where "
+        "it starts on), or 'none'. Default: the shipped receipts adapter (chapter "
+        "12) when the package has it",
     )
     demo.add_argument(
         "--host",
         default="127.0.0.1",
         help="address to listen on; anything but this machine's own is warned about",
     )
-    demo.add_argument("--port", type=int, default=7860)
-    demo.add_argument("--device", default="auto")
+    demo.add_argument("--port", type=int, default=7860, help="port to listen on")
+    demo.add_argument("--device", default="auto", help=DEVICE_HELP)
 
 
 def demo_command(args: argparse.Namespace, argv=None) -> int:
@@ -315,7 +433,7 @@ def demo_command(args: argparse.Namespace, argv=None) -> int:
             f"--adapter {adapter}: no such folder; give a folder with "
             "adapter_config.json and adapter_model.safetensors, or 'none'"
         )
-    checkpoint_files(args.model)
+    check_model(args.model)
     try:
         from .app import serve
     except ModuleNotFoundError as e:
@@ -324,6 +442,8 @@ def demo_command(args: argparse.Namespace, argv=None) -> int:
         raise ValueError(
             "the demo needs Gradio: pip install 'paligemma_lib[demo]'"
         ) from None
+    # Ctrl-C is how the demo is stopped: not an error, status 0
+    ON_INTERRUPT.update(message=lambda: "demo stopped", status=0)
     return serve(args.model, adapter, args.host, args.port, args.device)
 
 
@@ -381,9 +501,22 @@ LORA_TARGETS = {  # --lora-targets shorthands
 
 
 def lora_settings(args):
-    "The LoraConfig that --lora-r, --lora-alpha and --lora-targets describe"
+    """The LoraConfig that --lora-r, --lora-alpha and --lora-targets describe (None
+    without --lora, which they must then not be given with)"""
     from .lora import LoraConfig
 
+    given = [name for name in LORA_DEFAULTS if getattr(args, name) is not None]
+    if not args.lora:
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ValueError(
+                f"{flags} shape a LoRA adapter: add --lora to train one (without "
+                "--lora, --model fine-tunes every weight)"
+            )
+        return None
+    for name, value in LORA_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     targets = LORA_TARGETS.get(args.lora_targets)
     if targets is None:
         targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
@@ -429,7 +562,7 @@ def train_command(args: argparse.Namespace, argv) -> int:
     if args.model is None and (args.lora or args.dtype):
         flag = "--lora" if args.lora else "--dtype"
         raise ValueError(f"{flag} needs --model: the trained model to adapt")
-    lora = lora_settings(args) if args.lora else None
+    lora = lora_settings(args)
     if args.eval_data is not None and args.data is None:
         raise ValueError("--eval-data goes with --data (your own training examples)")
     at_least(args, steps=1, train_size=1, eval_size=1)
@@ -460,6 +593,8 @@ def train_command(args: argparse.Namespace, argv) -> int:
             "or choose another folder"
         )
     check_device(args.device)
+    if args.model is not None:
+        check_model(args.model)
     device = resolve_device(args.device)
     rank, world_size = init_distributed()
     config.micro_batch_size(world_size)  # checks the split before the data loads
@@ -481,7 +616,6 @@ def train_command(args: argparse.Namespace, argv) -> int:
 
     torch.manual_seed(args.seed)
     if args.model is not None:
-        checkpoint_files(args.model)
         processor = PaliGemmaProcessor.from_pretrained(args.model)
         model = load_pretrained(args.model, dtype=args.dtype or "float32")
         if lora is not None:
@@ -500,6 +634,13 @@ def train_command(args: argparse.Namespace, argv) -> int:
     evaluate = None
     if validation is not None:
         evaluate = make_evaluator(processor, validation, collate, device=device)
+    if rank == 0:
+        if args.resume:
+            step = checkpoint_step(latest_checkpoint(out))
+            print(
+                f"resuming from {latest_checkpoint(out)}: step {step} of {args.steps}"
+            )
+        ON_INTERRUPT["message"] = lambda: interrupted_training(out, argv)
     begin = time.time()
     history = train(
         model,
@@ -543,10 +684,32 @@ def train_command(args: argparse.Namespace, argv) -> int:
             "history": history,
         }
         (out / "training_record.json").write_text(json.dumps(record, indent=1) + "\n")
-        print(f"model and training record written to {out}")
+        what = "LoRA adapter" if lora is not None else "model"
+        print(f"{what} and training record written to {out}")
     if world_size > 1:
         torch.distributed.destroy_process_group()
     return 0
+
+
+def checkpoint_step(folder: Path) -> int:
+    "out/checkpoints/step-0000050 -> 50"
+    return int(folder.name.removeprefix("step-"))
+
+
+def interrupted_training(out: Path, argv) -> str:
+    "What Ctrl-C during `train` says: the newest checkpoint and how to go on from it"
+    from .train import latest_checkpoint
+
+    folder = latest_checkpoint(out)
+    if folder is None:
+        return f"interrupted before the first checkpoint: {out} holds none to resume"
+    command = ["python -m paligemma_lib", *map(str, argv)]
+    if "--resume" not in argv:
+        command.append("--resume")
+    return (
+        f"interrupted; the last checkpoint is {folder} (step "
+        f"{checkpoint_step(folder)}): continue with  {' '.join(command)}"
+    )
 
 
 def device_description(device: torch.device) -> str:
@@ -562,7 +725,7 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
     check_device(args.device)
     if args.record:
         record_path(args.model)  # before the slow part
-    checkpoint_files(args.model)
+    check_model(args.model)
     if args.adapter is not None:
         adapter_folder(args.adapter)
     processor = PaliGemmaProcessor.from_pretrained(args.model)
@@ -580,7 +743,8 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
         max_new_tokens=args.max_new_tokens,
     )
     metrics = compute_metrics(rows)
-    print(f"{args.model} on {args.world} ({args.split}, {len(rows)} examples)")
+    adapter = f" with adapter {args.adapter}" if args.adapter is not None else ""
+    print(f"{args.model}{adapter} on {args.world} ({args.split}, {len(rows)} examples)")
     print(format_metrics(metrics))
     if args.record:
         where = add_evaluation(args, argv, len(rows), metrics)
@@ -674,7 +838,29 @@ def check_device(name: str) -> None:
         )
 
 
+URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # http://, https://, s3://, ...
+
+
+def check_image_arg(image: str) -> None:
+    "--image is a local file: say so for a URL, and refuse too many pixels"
+    if URL.match(image):
+        raise ValueError(
+            f"--image {image}: only local files are read, not URLs; download it "
+            "first (e.g. curl -o image.png URL) and give the file"
+        )
+    # Above the limit, refuse: the model sees at most 896 x 896 pixels, so decoding
+    # more (3 bytes a pixel: 432 MB for 144 megapixels) costs memory and seconds for
+    # nothing, and Pillow would only warn about a possible decompression bomb up to
+    # twice its own limit. The demo refuses uploads at the same limit.
+    check_image_pixels(image)
+
+
 def generate_command(args: argparse.Namespace, argv=None) -> int:
+    if not args.prompt.strip():
+        raise ValueError(
+            '--prompt is empty: give a task prompt, e.g. "caption en", "ocr", '
+            '"answer en what color is the square?" or "detect circle"'
+        )
     detect = args.prompt.strip().startswith("detect")
     if args.draw and not detect:
         raise ValueError(
@@ -687,8 +873,9 @@ def generate_command(args: argparse.Namespace, argv=None) -> int:
         check_draw_path(args)
     # Before the (slow) model, so that a bad image, a folder that is not a checkpoint,
     # or one without tokenizer.model fails fast.
+    check_image_arg(args.image)
     image = load_image(args.image)
-    checkpoint_files(args.model)
+    check_model(args.model)
     if args.adapter is not None:
         adapter_folder(args.adapter)
     processor = PaliGemmaProcessor.from_pretrained(args.model)
@@ -700,19 +887,31 @@ def generate_command(args: argparse.Namespace, argv=None) -> int:
         if args.seed is not None
         else None
     )
-    text = answer(
-        model,
-        processor,
-        image,
-        args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        generator=generator,
-    )
-    print(text)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TruncatedAnswerWarning)
+        text = answer(
+            model,
+            processor,
+            image,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            generator=generator,
+        )
+    print(text, flush=True)
+    for warning in caught:
+        if issubclass(warning.category, TruncatedAnswerWarning):
+            print(
+                f"note: the answer stopped at --max-new-tokens {args.max_new_tokens} "
+                "before its end (<eos>), so it may be cut short; raise "
+                "--max-new-tokens",
+                file=sys.stderr,
+            )
+        else:
+            _note(warning.message, warning.category, warning.filename, warning.lineno)
     if detect:
         objects = parse_loc_tokens(text, image.width, image.height)
         for (x0, y0, x1, y1), label in objects:

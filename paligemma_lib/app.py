@@ -42,6 +42,9 @@ TASK_CHOICES = [
     ("receipt to JSON", "receipt"),
 ]
 NO_ADAPTER = "none"
+# Requests that may wait for the model at once; more get "queue full" in the page at
+# once instead of waiting minutes (each run holds the model for about a second)
+MAX_QUEUE = 16
 MEAN = "mean of all layers"
 # Local fonts only: Gradio's default theme fetches its fonts from the web
 THEME = gr.themes.Default(
@@ -91,7 +94,7 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
                 )
                 use_adapter = gr.Radio(
                     [NO_ADAPTER, adapter] if adapter else [NO_ADAPTER],
-                    value=NO_ADAPTER,
+                    value=adapter or NO_ADAPTER,  # the adapter served starts on
                     label="LoRA adapter",
                     visible=adapter is not None,
                     elem_id="adapter",
@@ -148,17 +151,18 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
                 )
 
         def on_upload(file):
+            "A new image: the previous answer goes (it was about another image)"
             if file is None:
-                return None, None, ""
+                return None, None, "", *cleared()
             try:
                 image = open_upload(file)
-                return image, image, ""
+                return image, image, "", *cleared()
             except (ValueError, OSError) as e:
-                return None, None, message(str(e))
+                return None, None, message(str(e)), *cleared()
 
         def on_example(name):
-            if not name:
-                return None, None, "", gr.update(), gr.update()
+            if not name:  # the page's 6 outputs, all but the image left as they are
+                return None, None, "", gr.update(), gr.update(), gr.update()
             _, _, example_task, example_text = EXAMPLES[name]
             image = example_image(name)
             return image, image, "", example_task, example_text, on_task(example_task)
@@ -166,11 +170,15 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
         def on_task(chosen):
             return adapter if adapter and chosen == "receipt" else NO_ADAPTER
 
-        def failed(text):
-            "The outputs of a run that did not happen: empty, and a message"
+        def cleared():
+            "A run's outputs, empty: answer, stats, boxes, receipt, tokens, maps"
             hidden = gr.update(value=None, visible=False)
             tokens = gr.update(choices=[], value=None)
-            return "", "", hidden, hidden, tokens, None, None, message(text)
+            return "", "", hidden, hidden, tokens, None, None
+
+        def failed(text):
+            "The outputs of a run that did not happen: empty, and a message"
+            return *cleared(), message(text)
 
         def on_run(image, chosen, typed, adapter_choice, decode, temp, k, p, s, n):
             if image is None:
@@ -228,6 +236,13 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
                     )
                 else:
                     note = message(result.receipt_error)
+            if result.truncated:
+                note = message(
+                    f"The answer stopped at the {int(n)}-token limit before its end "
+                    "(<eos>): it may be cut short. Raise Max tokens under Generation "
+                    "settings"
+                    + (f". {result.receipt_error}" if result.receipt_error else "")
+                )
             return (
                 result.text,
                 stats_text,
@@ -249,8 +264,17 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
         # One queue for the events that set the image and the run that reads it, so a
         # Run pressed right after picking an example waits for the example's image
         # (separate queues let the run read the image before it was set).
+        # concurrency_limit=1 is also what makes the adapter switch safe: every
+        # session shares this one model, and on_run's adapter_disabled swaps its
+        # layers in place for the length of a run, so two runs at once, one with the
+        # adapter and one without, would each compute with the other's layers. With
+        # one run at a time across all sessions, none can see another's switch
+        # (tests/test_app.py: test_concurrent_sessions_switching_adapters).
         serial = {"concurrency_id": "image", "concurrency_limit": 1}
-        upload.upload(on_upload, upload, [image_state, preview, status], **serial)
+        run_outputs = [answer, stats, boxes, receipt, token, maps_state, attention]
+        upload.upload(
+            on_upload, upload, [image_state, preview, status, *run_outputs], **serial
+        )
         example.input(
             on_example,
             example,
@@ -272,7 +296,7 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
                 seed,
                 max_new_tokens,
             ],
-            [answer, stats, boxes, receipt, token, maps_state, attention, status],
+            [*run_outputs, status],
             **serial,
         )
         for control in (token, layer):
@@ -287,14 +311,18 @@ def launch(
     inline: bool | None = None,
     prevent_thread_lock: bool = False,
 ):
-    "Serve the page on host:port, never through a public share link"
+    """Serve the page on host:port, never through a public share link. Uploads over
+    MAX_IMAGE_BYTES are refused by Gradio as they arrive, before they are written to
+    disk; at most MAX_QUEUE requests wait for the model"""
     if host not in LOCAL_HOSTS:
         print(
             f"warning: --host {host} serves the demo to every machine that can reach "
             "this one, with no login; use 127.0.0.1 to keep it on this machine",
             file=sys.stderr,
         )
+    app.queue(max_size=MAX_QUEUE)
     return app.launch(
+        max_file_size=MAX_IMAGE_BYTES,
         server_name=host,
         server_port=port,
         share=False,

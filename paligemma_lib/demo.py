@@ -2,14 +2,15 @@
 
 # %% auto #0
 __all__ = ['TASK_PROMPTS', 'MAX_IMAGE_BYTES', 'MAX_IMAGE_PIXELS', 'EXAMPLES',
-           'task_prompt', 'open_upload', 'TaskAnswer', 'check_length',
-           'parse_receipt', 'run_task', 'attention_inputs', 'attention_probs',
-           'answer_batch', 'answer_attention', 'heatmap', 'adapter_disabled',
-           'shipped_adapter', 'example_image']
+           'task_prompt', 'check_image_pixels', 'open_upload', 'TaskAnswer',
+           'check_length', 'parse_receipt', 'run_task', 'attention_inputs',
+           'attention_probs', 'answer_batch', 'answer_attention', 'heatmap',
+           'adapter_disabled', 'shipped_adapter', 'example_image']
 
 # %% ../book/13_demo.ipynb #c005
 import json
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.util import find_spec
@@ -59,6 +60,31 @@ MAX_IMAGE_PIXELS = (
 )
 
 
+def check_image_pixels(path) -> bool:
+    """False if Pillow cannot read `path` as an image; True if it can and its header
+    declares at most MAX_IMAGE_PIXELS; else a ValueError, before any pixel is decoded.
+    Pillow's own decompression-bomb warning (from 89 megapixels) is not shown: the
+    limit here is lower, and above it the answer is no"""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as opened:
+                width, height = opened.size
+    except Image.DecompressionBombError:  # over twice Pillow's limit, far above ours
+        size = f"more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels"
+    except (UnidentifiedImageError, OSError):
+        return False
+    else:
+        if width * height <= MAX_IMAGE_PIXELS:
+            return True
+        size = f"{width} x {height} pixels ({width * height / 10**6:.0f} megapixels)"
+    raise ValueError(
+        f"{Path(path).name} has {size}; images of at most "
+        f"{MAX_IMAGE_PIXELS // 10**6} megapixels are read (the model sees 224 to 896 "
+        "pixels a side): shrink it first"
+    )
+
+
 def open_upload(path) -> Image.Image:
     """An uploaded file -> an RGB image, or a ValueError that says what is wrong: not
     an image, over MAX_IMAGE_BYTES, or over MAX_IMAGE_PIXELS (read from the header,
@@ -70,19 +96,9 @@ def open_upload(path) -> Image.Image:
             f"{path.name} is {size / 2**20:.1f} MiB; the demo takes images of at most "
             f"{MAX_IMAGE_BYTES // 2**20} MiB"
         )
-    try:
-        with Image.open(path) as opened:
-            width, height = opened.size
-    except (UnidentifiedImageError, OSError):
+    if not check_image_pixels(path):
         raise ValueError(
             f"{path.name} is not an image: upload a PNG, JPEG, WebP, BMP or GIF file"
-        ) from None
-    except Image.DecompressionBombError:  # over Pillow's own limit, far above ours
-        width, height = MAX_IMAGE_PIXELS, 2
-    if width * height > MAX_IMAGE_PIXELS:
-        raise ValueError(
-            f"{path.name} has {width} x {height} pixels; the demo takes images of at "
-            f"most {MAX_IMAGE_PIXELS // 10**6} megapixels (the model sees 224 x 224)"
         )
     try:
         return load_image(path)
@@ -103,6 +119,7 @@ class TaskAnswer:
     boxes: list = field(default_factory=list)  # detect: [((x0, y0, x1, y1), label)]
     receipt: dict | None = None  # receipt: the parsed JSON
     receipt_error: str = ""  # receipt: why the answer is not the JSON asked for
+    truncated: bool = False  # stopped at max_new_tokens before <eos>: maybe cut short
 
     @property
     def tokens_per_second(self) -> float:
@@ -177,6 +194,7 @@ def run_task(
         ids,
         [processor.tokenizer.id_to_piece(i) for i in ids],
         seconds,
+        truncated=eos not in tokens and len(tokens) == max_new_tokens,
     )
     if task == "detect":
         result.boxes = parse_loc_tokens(answer, image.width, image.height)

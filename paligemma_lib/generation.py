@@ -3,7 +3,8 @@
 # %% auto #0
 __all__ = ['has_native_bf16', 'pick_device', 'decode_step', 'top_k_filter',
            'top_p_filter', 'next_token', 'DecodingLinear', 'decoding_linears',
-           'NonFiniteLogitsError', 'generate', 'answer']
+           'NonFiniteLogitsError', 'generate', 'TruncatedAnswerWarning',
+           'answer']
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c004
 import weakref
@@ -326,7 +327,7 @@ def generate(
     pixel_values: torch.Tensor,
     attention_mask: torch.Tensor = None,
     token_type_ids: torch.Tensor = None,
-    max_new_tokens: int = 32,
+    max_new_tokens: int = 64,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int = None,
@@ -341,9 +342,12 @@ def generate(
     """Generate after left-padded prompts; returns only the new tokens [B, T],
     T <= max_new_tokens. A row that emits `eos_token_id` (Gemma's `<eos>`, 1; None:
     never stop) is finished: it keeps its slot, and its later tokens are
-    `pad_token_id`. `compile` runs the decoding steps through `torch.compile` (static
-    cache only). With `decoding_linears` the loop runs inside `decoding_linears(model)`,
-    which leaves the model as it was."""
+    `pad_token_id`. A row with no `eos_token_id` among T = max_new_tokens tokens was
+    cut off, not finished (`answer` warns then). The default, 64, holds the longest
+    answer of every task the shipped models do (a receipt's JSON: 41 with `<eos>`).
+    `compile` runs the decoding steps through `torch.compile` (static cache only).
+    With `decoding_linears` the loop runs inside `decoding_linears(model)`, which
+    leaves the model as it was."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if token_type_ids is None:
@@ -418,6 +422,13 @@ def generate(
     return ids[:, S : S + t + 1]  # [B, T]
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c059
+import warnings
+
+
+class TruncatedAnswerWarning(UserWarning):
+    "An answer stopped at max_new_tokens before <eos>: it may be cut short"
+
+
 def answer(
     model: PaliGemmaForConditionalGeneration,
     processor: PaliGemmaProcessor,
@@ -430,11 +441,13 @@ def answer(
     images: one image (a path or a PIL image) or a list of them.
     prompts: one string, or a list with one string per image. One string with a
         list of images asks every image the same question.
-    kw: the settings of `generate`: max_new_tokens (32), do_sample (False),
+    kw: the settings of `generate`: max_new_tokens (64), do_sample (False),
         temperature, top_k, top_p, generator (for a reproducible sample),
         eos_token_id and pad_token_id (the tokenizer's by default), cache.
     Returns one string for one image and one prompt string, else a list of strings
-    in the order of the images."""
+    in the order of the images. An answer that reached max_new_tokens without
+    `<eos>` is returned as far as it got, with a `TruncatedAnswerWarning` naming it
+    (`warnings.simplefilter("error", TruncatedAnswerWarning)` makes that an error)."""
     single = isinstance(prompts, str) and not isinstance(images, (list, tuple))
     if isinstance(prompts, str):  # one question for one image, or for each image
         prompts = [prompts] * (1 if single else len(images))
@@ -454,10 +467,20 @@ def answer(
         batch.token_type_ids.to(device),
         **kw,
     )
-    eos = kw["eos_token_id"]
-    texts = []
-    for row in tokens.tolist():
+    eos, limit = kw["eos_token_id"], kw.get("max_new_tokens", 64)
+    texts, cut = [], []
+    for i, row in enumerate(tokens.tolist()):
         if eos is not None and eos in row:
             row = row[: row.index(eos)]
+        elif eos is not None and len(row) == limit:
+            cut.append(i)
         texts.append(processor.decode(row, skip_special_tokens=True))
+    if cut:
+        which = "the answer" if single else f"answers {cut} (0-based)"
+        warnings.warn(
+            f"{which} stopped at max_new_tokens={limit} before <eos>: it may be cut "
+            f"short; pass a larger max_new_tokens",
+            TruncatedAnswerWarning,
+            stacklevel=2,
+        )
     return texts[0] if single else texts

@@ -5,11 +5,13 @@ is checked against the library called directly; screenshots: _build/screenshots/
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -24,6 +26,7 @@ from paligemma_lib.processing import draw_boxes
 pytest.importorskip("gradio", reason="the demo extra: pip install '.[demo]'")
 STARTUP_SECONDS = 180  # importing Gradio and loading the model, on a busy machine
 ANSWER_MS = 120_000
+SERVERS = {}  # url -> the demo's process
 
 
 def free_port() -> int:
@@ -62,6 +65,7 @@ def server():
                 process.kill()
                 pytest.fail(f"the demo did not start:\n{process.stdout.read()}")
             time.sleep(0.5)
+    SERVERS[url] = process
     yield url
     process.terminate()
     process.wait(timeout=30)
@@ -94,15 +98,16 @@ def ask(page, example=None, task=None, text=None, adapter=None):
             preview = page.locator("#preview img")
             before = preview.get_attribute("src") if preview.count() else None
             radio.check()
+            # the example's image is made on the server, behind any run in the queue
             if before is None:
-                expect(preview).to_be_visible()
+                expect(preview).to_be_visible(timeout=ANSWER_MS)
             else:
-                expect(preview).not_to_have_attribute("src", before)
+                expect(preview).not_to_have_attribute("src", before, timeout=ANSWER_MS)
         # the page sets the example's own task: wait for it, before changing it
         first_task = labels[EXAMPLES[example][2]]
         expect(
             page.locator("#task").get_by_label(first_task, exact=True)
-        ).to_be_checked()
+        ).to_be_checked(timeout=ANSWER_MS)
     if task is not None:
         page.locator("#task").get_by_label(labels[task], exact=True).check()
     if text is not None:
@@ -210,14 +215,20 @@ def test_attention_map_switches_per_token(page, reference):
         time.sleep(0.2)
 
 
-def test_bad_input_gets_a_message(page, tmp_path):
+def test_bad_input_gets_a_message(page, tmp_path, reference):
     from playwright.sync_api import expect
 
     message = page.locator("#message")
     notes = tmp_path / "notes.txt"
     notes.write_text("not an image")
+    _, want = expected(reference, "text line", "ocr")  # an answer on the page first
+    ask(page, example="text line", task="ocr", adapter="none")
+    wait_for_answer(page, want)
     page.locator("#upload input[type=file]").set_input_files(str(notes))
     expect(message).to_contain_text("notes.txt is not an image", timeout=ANSWER_MS)
+    # the failed upload cleared the answer, which was about the image before it
+    expect(page.locator("#answer textarea")).to_have_value("")
+    expect(page.locator("#heatmap img")).to_have_count(0)
     screenshot(page, "not_an_image")
 
     ask(page, example="shapes", task="question", text="   ")
@@ -232,9 +243,13 @@ def test_the_page_asks_nothing_of_the_internet(page):
 
 
 def test_a_host_other_than_this_machine_is_warned_about(capsys):
-    from paligemma_lib.app import launch
+    from paligemma_lib.app import MAX_QUEUE, launch
+    from paligemma_lib.demo import MAX_IMAGE_BYTES
 
     class Recorder:
+        def queue(self, **settings):
+            self.queued = settings
+
         def launch(self, **settings):
             self.settings = settings
 
@@ -242,6 +257,9 @@ def test_a_host_other_than_this_machine_is_warned_about(capsys):
     launch(app, host="0.0.0.0", port=1234)
     assert "warning: --host 0.0.0.0" in capsys.readouterr().err
     assert app.settings["share"] is False and app.settings["server_port"] == 1234
+    # Gradio refuses a larger upload as it arrives, before writing it to disk
+    assert app.settings["max_file_size"] == MAX_IMAGE_BYTES
+    assert app.queued == {"max_size": MAX_QUEUE} and 0 < MAX_QUEUE
     launch(app, host="127.0.0.1")
     assert capsys.readouterr().err == ""
 
@@ -253,3 +271,94 @@ def test_gradio_analytics_are_off():
     )
     env = {k: v for k, v in os.environ.items() if k != "GRADIO_ANALYTICS_ENABLED"}
     subprocess.run([sys.executable, "-c", check], check=True, env=env)
+
+
+def events(app) -> dict:
+    "The page's event functions by name"
+    return {f.name: f for f in app.fns.values()}
+
+
+def test_every_event_returns_one_value_per_output(reference, tmp_path):
+    """Called as Gradio calls them: on_example with no example (the radio cleared),
+    and on_upload with a file that is no image, which also clears the last answer"""
+    from paligemma_lib.app import build_app
+
+    model, processor = reference
+    handlers = events(build_app(model, processor, adapter="receipts"))
+    for name in ("", None):
+        values = handlers["on_example"].fn(name)
+        assert len(values) == len(handlers["on_example"].outputs) == 6
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not an image")
+    upload = handlers["on_upload"]
+    values = upload.fn(str(notes))
+    assert len(values) == len(upload.outputs) == 10
+    image, preview, status, answer_text, stats = values[:5]
+    assert image is None and "is not an image" in status
+    assert answer_text == "" and stats == "" and values[8] is None  # maps: gone
+    assert len(upload.fn(None)) == 10
+    # an answer stopped at the page's Max tokens before <eos> says so
+    scene = example_image("shapes")
+    settings = ("greedy", 1.0, 0, 1.0, 0)
+    cut = handlers["on_run"].fn(scene, "caption", "", "none", *settings, 2)
+    assert "stopped at the 2-token limit" in cut[-1], cut[-1]
+    whole = handlers["on_run"].fn(scene, "caption", "", "none", *settings, 64)
+    assert whole[-1] == "" and whole[0], whole
+
+
+def test_the_adapter_switch_starts_on_the_served_adapter(page, server):
+    "demo --help: the receipts adapter is the default; the page starts with it on"
+    from playwright.sync_api import expect
+
+    fresh = page.context.browser.new_page()
+    try:
+        fresh.goto(server)
+        switch = fresh.locator("#adapter")
+        expect(switch.get_by_label("receipts", exact=True)).to_be_checked()
+    finally:
+        fresh.close()
+
+
+def test_concurrent_sessions_switching_adapters(server, reference):
+    """Four sessions (Gradio clients, each with its own session state, as four
+    browser tabs) ask at once, each switching the adapter on and off between
+    requests; every answer must be the one the same request gets alone. Without the
+    one concurrency group of limit 1 (app.py), a run without the adapter swaps the
+    shared model's layers while another run computes with them. Through Gradio's
+    client rather than four browsers: the same server path, a fraction of the time."""
+    from gradio_client import Client
+
+    requests = [  # example, task, text, adapter
+        ("receipt", "receipt", "", "receipts"),
+        ("receipt", "receipt", "", "none"),
+        ("shapes", "caption", "", "receipts"),
+        ("shapes", "caption", "", "none"),
+    ]
+    alone = {r: expected(reference, *r)[1].text for r in requests}  # one at a time
+
+    def session(order):
+        client = Client(server, verbose=False, download_files=False)
+        answers = []
+        for name, task, text, adapter in order:
+            client.predict(name, api_name="/on_example")
+            out = client.predict(task, text, adapter, "greedy", 1.0, 0, 1.0, 0, 64,
+                                 api_name="/on_run")  # fmt: skip
+            answers.append(((name, task, text, adapter), out[0]))
+        return answers
+
+    orders = [requests[i:] + requests[:i] for i in range(len(requests))]
+    with ThreadPoolExecutor(len(orders)) as pool:
+        results = list(pool.map(session, orders))
+    for answers in results:
+        for request, text in answers:
+            assert text == alone[request], (request, text, alone[request])
+
+
+def test_ctrl_c_stops_the_demo_quietly(server):
+    "Ctrl-C is how the demo is stopped (its --help says so): status 0, not an error"
+    process = SERVERS[server]
+    process.send_signal(signal.SIGINT)
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, out
+    assert out.rstrip().splitlines()[-1] == "demo stopped", out
+    assert "error: interrupted" not in out and "KeyboardInterrupt" not in out, out

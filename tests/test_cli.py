@@ -1,6 +1,7 @@
 """Chapter 9: `python -m paligemma_lib generate` on a checkpoint folder; bad input gives
 one line and exit status 1."""
 
+import argparse
 import json
 import re
 import shutil
@@ -13,6 +14,7 @@ import zlib
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -374,9 +376,13 @@ def claim_size(png: bytes, width: int, height: int) -> bytes:
 def test_an_image_over_the_decompression_bomb_limit(checkpoint, tmp_path):
     huge = tmp_path / "huge.png"
     huge.write_bytes(claim_size((checkpoint / "image.png").read_bytes(), 15000, 15000))
+    # the CLI refuses far below Pillow's limit; load_image alone stops at Pillow's
     limit = f"{2 * Image.MAX_IMAGE_PIXELS:,}"
-    one_error_line(generate(checkpoint, image=huge), "225,000,000 pixels", limit)
-    with pytest.raises(ValueError, match="225,000,000 pixels"):
+    run = generate(checkpoint, image=huge)
+    one_error_line(run, f"huge.png has more than {limit} pixels", "40 megapixels")
+    with pytest.raises(
+        ValueError, match=f"225,000,000 pixels, over Pillow's limit of {limit}"
+    ):
         load_image(huge)
 
 
@@ -488,8 +494,9 @@ def test_a_checkpoint_with_the_unused_pooling_head(checkpoint, tmp_path, capsys)
     expected = run_main(capsys, checkpoint)
     run = run_main(capsys, checkpoint, model=model)
     assert run.returncode == 0 and run.stdout == expected.stdout
-    notes = run.stderr.strip().splitlines()
-    assert len(notes) == 1 and notes[0].startswith("note: ignoring the 2 tensors")
+    notes = run.stderr.strip().splitlines()  # and the note of the cut answer
+    assert len(notes) == 2 and notes[0].startswith("note: ignoring the 2 tensors")
+    assert notes[1] == expected.stderr.strip()
     assert "vision_tower.vision_model.head.{layernorm.weight, probe}" in notes[0]
 
 
@@ -594,7 +601,7 @@ def test_generate_without_model_answers_with_the_shipped_nano(checkpoint):
         "cpu",
     )
     assert run.returncode == 0, run.stderr
-    assert run.stderr == ""
+    assert "Traceback" not in run.stderr
     model = load_pretrained("nano")
     assert isinstance(model, PaliGemmaForConditionalGeneration)
     expected = answer(
@@ -638,3 +645,234 @@ def test_an_unknown_model_name_lists_the_shipped_ones(checkpoint, tmp_path, caps
         load_pretrained("pico")
     with pytest.raises(FileNotFoundError, match=r"\(nano\)"):
         PaliGemmaProcessor.from_pretrained("pico")
+
+
+# Issue 22 §8: the command line as a new user meets it
+
+
+def test_the_default_max_new_tokens_holds_every_shipped_task():
+    """64 new tokens hold the longest answer, <eos> included, of every task of the
+    worlds the shipped models learned: on 300 test scenes a task, and a receipt built
+    to be the longest (the longest store name, the widest total)"""
+    import inspect
+    import json as json_module
+
+    from paligemma_lib.__main__ import DEFAULT_MAX_NEW_TOKENS, build_parser
+    from paligemma_lib.data import SPLITS, STORES, TASKS, make_example
+    from paligemma_lib.generation import generate
+
+    limit = inspect.signature(generate).parameters["max_new_tokens"].default
+    assert limit == DEFAULT_MAX_NEW_TOKENS == 64
+    assert "max_new_tokens (64)" in answer.__doc__
+    for command in ("generate", "evaluate"):
+        args = build_parser().parse_args(
+            [command, "--image", "x", "--prompt", "p"]
+            if command == "generate"
+            else [command, "--world", "shapes"]
+        )
+        assert args.max_new_tokens == limit
+    tokenizer = PaliGemmaProcessor.from_pretrained("nano").tokenizer
+
+    def length(text):  # the answer's tokens and <eos>
+        return len(tokenizer.encode(text, add_bos=False)) + 1
+
+    longest = {}
+    for world, tasks in TASKS.items():
+        for task in tasks:
+            longest[task] = max(
+                length(make_example(world, seed, task).answer)
+                for seed in SPLITS["test"][:300]
+            )
+    longest["receipt, built"] = max(
+        length(json_module.dumps(
+            {"store": store, "date": "2026-12-31", "total": "89.97"},
+            separators=(",", ":"),
+        ))
+        for store in STORES
+    )  # fmt: skip
+    print(longest)
+    assert max(longest.values()) <= limit, longest
+
+
+def test_an_answer_cut_at_max_new_tokens_says_so(checkpoint, capsys):
+    "The random model never says <eos>: its answer stops at the limit, with a note"
+    run = run_main(capsys, checkpoint, "--max-new-tokens", "2")
+    assert run.returncode == 0 and run.stdout.strip(), run
+    assert run.stderr == (
+        "note: the answer stopped at --max-new-tokens 2 before its end (<eos>), so it "
+        "may be cut short; raise --max-new-tokens\n"
+    )
+    from paligemma_lib.generation import TruncatedAnswerWarning
+
+    model = load_pretrained(checkpoint / "model")
+    processor = PaliGemmaProcessor.from_pretrained(checkpoint / "model")
+    image = checkpoint / "image.png"
+    with pytest.warns(TruncatedAnswerWarning, match="max_new_tokens=2"):
+        answer(model, processor, image, "caption en", max_new_tokens=2)
+
+
+def test_an_answer_that_ends_has_no_note(capsys, tmp_path):
+    "nano on a scene of its world ends its caption with <eos>: no note"
+    from paligemma_lib.data import make_example
+
+    make_example("shapes", 1_000_010_000).image.save(tmp_path / "scene.png")
+    code = main(["generate", "--image", str(tmp_path / "scene.png"), "--prompt",
+                 "caption en"])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 0 and out.err == "" and out.out.startswith("a "), out
+
+
+@pytest.mark.parametrize("prompt", ["", "   "])
+def test_an_empty_prompt_is_refused(checkpoint, capsys, prompt):
+    one_error_line(run_main(capsys, checkpoint, prompt=prompt), "--prompt is empty")
+
+
+def test_an_image_url_is_refused_with_its_slashes(checkpoint, capsys):
+    url = "https://example.com/photos/cat.png"
+    run = run_main(capsys, checkpoint, image=url)
+    one_error_line(run, f"--image {url}:", "only local files")
+
+
+def test_an_image_over_the_pixel_limit_is_refused(checkpoint, tmp_path, capsys):
+    "144 megapixels: refused at the demo's limit, without Pillow's bomb warning"
+    from paligemma_lib.demo import MAX_IMAGE_PIXELS
+
+    assert 40_000_000 == MAX_IMAGE_PIXELS < 144_000_000 < 2 * Image.MAX_IMAGE_PIXELS
+    huge = tmp_path / "huge.png"
+    huge.write_bytes(claim_size((checkpoint / "image.png").read_bytes(), 12000, 12000))
+    line = one_error_line(run_main(capsys, checkpoint, image=huge), "12000 x 12000")
+    assert "40 megapixels" in line and "note" not in line
+
+
+def test_a_model_that_is_an_adapter_folder_hints_adapter(checkpoint, capsys):
+    from paligemma_lib.demo import shipped_adapter
+
+    folder = shipped_adapter("receipts")
+    run = run_main(capsys, checkpoint, model=folder)
+    one_error_line(run, "is a LoRA adapter", f"--adapter {folder}")
+
+
+def test_every_option_has_help_and_shows_its_default():
+    from paligemma_lib.__main__ import build_parser
+
+    parser = build_parser()
+    top = " ".join(parser.format_help().split())
+    assert "train a model from scratch, or fine-tune one" in top
+    commands = next(
+        a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            assert action.help, (name, action.option_strings)
+        text = " ".join(sub.format_help().split())
+        if name in ("generate", "evaluate"):
+            assert "(default: 64)" in text, name
+        if name == "train":
+            for words in (
+                "--min-lr-ratio MIN_LR_RATIO the cosine",
+                "(default: 0.1)",
+                "--lora-r LORA_R with --lora: the adapter's rank (default: 8)",
+            ):
+                assert words in text, words
+        if name == "demo":
+            assert "--port PORT port to listen on (default: 7860)" in text
+
+
+@pytest.mark.parametrize(
+    "flags", [["--lora-r", "4"], ["--lora-alpha", "8"], ["--lora-targets", "all"]]
+)
+def test_lora_options_without_lora_are_refused(tmp_path, flags):
+    run = cli("train", "--model", "nano", "--out", tmp_path / "run", "--steps", "1",
+              *flags)  # fmt: skip
+    one_error_line(run, flags[0], "add --lora")
+    assert not (tmp_path / "run").exists()
+
+
+def tiny_run(out, *extra):
+    return cli("train", "--config", "tiny", "--out", out, "--batch-size", "2",
+               "--eval-size", "1", "--no-progress", *extra)  # fmt: skip
+
+
+def test_train_says_what_it_wrote_and_where_it_resumed(tmp_path):
+    base = tmp_path / "base"
+    run = tiny_run(base, "--steps", "2", "--save-every", "1")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith(f"model and training record written to {base}")
+    # step 2 lost: --resume goes on from step 1, and says so
+    shutil.rmtree(base / "checkpoints" / "step-0000002")
+    run = tiny_run(base, "--steps", "2", "--save-every", "1", "--resume")
+    assert run.returncode == 0, run.stderr
+    step_1 = base / "checkpoints" / "step-0000001"
+    assert f"resuming from {step_1}: step 1 of 2" in run.stdout
+    adapter = tmp_path / "adapter"
+    run = cli("train", "--model", base, "--lora", "--out", adapter, "--steps", "1",
+              "--batch-size", "2", "--eval-size", "1", "--no-progress")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith(
+        f"LoRA adapter and training record written to {adapter}"
+    )
+
+
+def test_ctrl_c_during_training_names_the_checkpoint_and_resume(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "paligemma_lib", "train", "--config", "tiny",
+               "--out", str(out), "--steps", "100000", "--save-every", "1",
+               "--batch-size", "2", "--eval-size", "1"]  # fmt: skip
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 300
+    while not list((out / "checkpoints").glob("step-*")):
+        assert child.poll() is None, child.communicate()
+        assert time.monotonic() < deadline, "no checkpoint in 300 s"
+        time.sleep(0.2)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 130, err
+    last = err.strip().splitlines()[-1]
+    found = re.search(r"the last checkpoint is (\S+) \(step (\d+)\)", last)
+    assert found and Path(found[1]).is_dir(), last
+    assert Path(found[1]).name == f"step-{int(found[2]):07d}"
+    assert last.endswith(" ".join(["python -m paligemma_lib", *command[3:],
+                                   "--resume"]))  # fmt: skip
+    assert "Traceback" not in err
+
+
+def test_evaluate_names_the_adapter(capsys):
+    code = main(["evaluate", "--adapter", "receipts", "--world", "receipts",
+                 "--limit", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert (
+        out.splitlines()[0]
+        == "nano with adapter receipts on receipts (test, 1 examples)"
+    )
+
+
+def test_the_readme_first_command_and_what_nano_has_seen(capsys):
+    "The README's picture is a test scene of the data module, captioned as it says"
+    from paligemma_lib.data import COLOURS, SIDES, make_example
+
+    root = Path(__file__).resolve().parents[1]
+    readme = " ".join((root / "README.md").read_text().split())
+    picture = root / "book" / "figures" / "nano_scene.png"
+    scene = make_example("shapes", 1_000_012_002, "caption")
+    assert np.array_equal(np.asarray(load_image(picture)), np.asarray(scene.image))
+    command = 'generate --image book/figures/nano_scene.png --prompt "caption en"'
+    assert f"python -m paligemma_lib {command}" in readme
+    assert f"The first prints `{scene.answer}`" in readme
+    code = main(["generate", "--image", str(picture), "--prompt", "caption en"])
+    assert code == 0 and capsys.readouterr().out == scene.answer + "\n"
+    assert (
+        f"shapes (circle, square, triangle) of {SIDES[0]}-{SIDES[1]} pixels" in readme
+    )
+    assert f"four fixed colours ({', '.join(COLOURS)})" in readme
+    assert "light-grey background (levels 210-250)" in readme
+    # the corner pixel is background (shapes keep a margin): its levels, over scenes
+    corners = {
+        make_example("shapes", seed).image.getpixel((0, 0)) for seed in range(300)
+    }
+    assert all(r == g == b for r, g, b in corners)
+    assert 210 <= min(corners)[0] and max(corners)[0] <= 250
+    nano = load_pretrained("nano").config.text.max_position_embeddings
+    assert f"8192 for PaliGemma, {nano} for `nano`" in readme
