@@ -1,8 +1,11 @@
-"""Checks on the chapters as files: the shared setup cell, and clean text."""
+"""Checks on the chapters as files: the shared setup cell, what the chapters import,
+and clean text."""
 
+import ast
 import json
 import re
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -52,3 +55,145 @@ def test_no_control_characters(path):
             f"{path.name}, cell {i}: control character {bad.group()!r} in "
             f"{text[max(0, bad.start() - 30) : bad.end() + 10]!r}"
         )
+
+
+# What a chapter imports, against what the setup cell installs: the library's runtime
+# dependencies and the extra named in the setup cell. Top-level module -> distribution.
+DISTRIBUTION = {
+    "torch": "torch",
+    "numpy": "numpy",
+    "PIL": "pillow",
+    "safetensors": "safetensors",
+    "sentencepiece": "sentencepiece",
+    "tqdm": "tqdm",
+    "matplotlib": "matplotlib",
+    "transformers": "transformers",
+    "google": "protobuf",  # google.protobuf
+    "peft": "peft",
+    "gradio": "gradio",
+}
+# Every Jupyter kernel (Colab's too) runs on IPython: no extra needs to bring it.
+KERNEL = {"IPython"}
+# Imports a chapter makes only on request, with the cell saying what to install:
+# (chapter, module) -> when the import runs.
+ON_REQUEST = {
+    ("12_fine_tuning.ipynb", "datasets"): "with CORD_FOLDER set (pip install datasets)",
+    (
+        "13_demo.ipynb",
+        "playwright",
+    ): "only where the machine has Chromium; Colab has none",
+}
+
+
+def setup_cell_extra() -> str:
+    "The extra the setup cell installs: paligemma_lib[NAME]"
+    return re.search(r"paligemma_lib\[(\w+)\]", setup_cell()).group(1)
+
+
+def installed_by_setup_cell() -> set[str]:
+    "Distributions the setup cell's install brings: runtime dependencies and the extra"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def names(requirements):
+        for requirement in requirements:
+            name = re.match(r"[A-Za-z0-9_.\-]+", requirement).group()
+            if name == "paligemma_lib":  # paligemma_lib[other]: that extra too
+                inner = re.search(r"\[(.*)\]", requirement).group(1)
+                for extra in inner.split(","):
+                    yield from names(extras[extra.strip()])
+            else:
+                yield re.sub(r"[-_.]+", "-", name).lower()
+
+    return set(names(project["dependencies"])) | set(names(extras[setup_cell_extra()]))
+
+
+def imported_modules(source: str, package: str = "paligemma_lib") -> set[str]:
+    """Dotted names of what `source` imports (IPython's %magic and !shell lines are
+    skipped); relative imports are resolved against `package`"""
+    code = "\n".join(
+        "" if line.lstrip().startswith(("%", "!")) else line
+        for line in source.splitlines()
+    )
+    found = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0]
+                base = f"{parent}.{base}" if base else parent
+            found.add(base)
+            # `from paligemma_lib import app`: the module app, too
+            found |= {f"{base}.{alias.name}" for alias in node.names}
+    return found
+
+
+def third_party(modules: set[str]) -> set[str]:
+    """Top-level third-party modules imported by `modules`, following imports of
+    paligemma_lib's own modules into their source (chapter 13 gets gradio that way)"""
+    seen, found, todo = set(), set(), set(modules)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        top = name.split(".")[0]
+        if top != "paligemma_lib":
+            if top not in sys.stdlib_module_names and top != "__future__":
+                found.add(top)
+            continue
+        parts = name.split(".")[1:]
+        path = ROOT.joinpath("paligemma_lib", *parts)
+        file = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        if file.is_file():
+            package = name if file.name == "__init__.py" else name.rsplit(".", 1)[0]
+            todo |= imported_modules(file.read_text(encoding="utf-8"), package)
+    return found
+
+
+def missing_from_setup(chapter: str, source: str) -> list[str]:
+    "What `source`, a chapter's code, imports that the setup cell does not install"
+    installed = installed_by_setup_cell()
+    problems = []
+    for module in sorted(third_party(imported_modules(source))):
+        if module in KERNEL or (chapter, module) in ON_REQUEST:
+            continue
+        dist = DISTRIBUTION.get(module)
+        if dist is None:
+            problems.append(
+                f"{module}: not in tests/test_notebooks.py's DISTRIBUTION map; add it "
+                f"with its distribution, and that to the [{setup_cell_extra()}] extra"
+            )
+        elif dist not in installed:
+            problems.append(
+                f"{module} (distribution {dist}): not installed by the setup cell; add "
+                f"it to pyproject.toml's [{setup_cell_extra()}] extra"
+            )
+    return problems
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_the_setup_cell_installs_what_the_chapter_imports(path):
+    problems = []
+    for i, cell in enumerate(cells(path)):
+        if cell["cell_type"] != "code":
+            continue
+        for problem in missing_from_setup(path.name, "".join(cell["source"])):
+            problems.append(f"{path.name}, cell {cell.get('id', i)}: {problem}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_import_check_sees_what_the_setup_cell_lacks():
+    "The check above would fail: on an unknown module, on an import via the library"
+    assert (
+        missing_from_setup("x.ipynb", "import os\nimport torch\n%matplotlib inline")
+        == []
+    )
+    (unknown,) = missing_from_setup("x.ipynb", "from scipy import stats")
+    assert unknown.startswith("scipy: not in")
+    (on_request,) = missing_from_setup("x.ipynb", "import datasets")
+    assert on_request.startswith("datasets")  # on request in chapter 12's cell only
+    assert "gradio" in third_party({"paligemma_lib.app"})
+    assert "gradio" in third_party(imported_modules("from paligemma_lib import app"))
