@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+import run_book  # noqa: E402
 from setup_cell import chapters, repository_url, setup_cell  # noqa: E402
 
 CHAPTERS = chapters()
@@ -197,3 +198,77 @@ def test_the_import_check_sees_what_the_setup_cell_lacks():
     assert on_request.startswith("datasets")  # on request in chapter 12's cell only
     assert "gradio" in third_party({"paligemma_lib.app"})
     assert "gradio" in third_party(imported_modules("from paligemma_lib import app"))
+
+
+# tools/run_book.py, on tiny notebooks (the book itself takes an hour)
+def write_notebook(path: Path, *sources: str) -> None:
+    stem = path.stem.split("_")[0]
+    nb = {
+        "cells": [
+            {
+                "cell_type": "code",
+                "execution_count": None,
+                "id": f"c{stem}{i}",
+                "metadata": {},
+                "outputs": [],
+                "source": source,
+            }
+            for i, source in enumerate(sources)
+        ],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    path.write_text(json.dumps(nb, indent=1))
+
+
+def test_run_book_records_each_chapter(tmp_path):
+    book = tmp_path / "book"
+    book.mkdir()
+    hidden = "import os\nassert os.environ['CUDA_VISIBLE_DEVICES'] == ''"
+    write_notebook(book / "01_passes.ipynb", hidden, "x = 1")
+    write_notebook(book / "02_fails.ipynb", "x = 1", "raise ValueError('boom')")
+    write_notebook(book / "03_hangs.ipynb", "y = 2", "import time\ntime.sleep(600)")
+    write_notebook(book / "04_left_out.ipynb", "raise SystemExit")
+    output = tmp_path / "out" / "book.json"
+    arguments = ["01", "02", "03", "--device", "cpu", "--book", str(book)]
+    status = run_book.main([*arguments, "--output", str(output), "--timeout", "40"])
+    assert status == 1  # a chapter failed
+    record = json.loads(output.read_text())
+    assert record["passed"] is False
+    assert record["environment"]["device"] == "cpu"
+    assert record["environment"]["versions"]["torch"]
+    rows = {row["chapter"]: row for row in record["chapters"]}
+    assert list(rows) == ["01_passes.ipynb", "02_fails.ipynb", "03_hangs.ipynb"]
+    assert (
+        rows["01_passes.ipynb"]["passed"] and rows["01_passes.ipynb"]["error"] is None
+    )
+    assert rows["02_fails.ipynb"]["failed_cell"] == "c021"
+    assert rows["02_fails.ipynb"]["error"] == "ValueError: boom"
+    assert rows["03_hangs.ipynb"]["failed_cell"] == "c031"
+    assert rows["03_hangs.ipynb"]["error"] == "timed out after 40 s"
+    assert rows["03_hangs.ipynb"]["seconds"] >= 40
+    assert all(row["seconds"] > 0 for row in rows.values())
+
+
+def test_run_book_arguments(tmp_path, capsys):
+    for wrong in (["--device", "tpu"], [], ["--device", "cpu", "--timeout", "0"]):
+        with pytest.raises(SystemExit) as e:
+            run_book.parse(wrong)
+        assert e.value.code == 2, wrong  # argparse's usage error
+    assert "--device" in capsys.readouterr().err
+    book = tmp_path / "book"
+    book.mkdir()
+    with pytest.raises(SystemExit, match="no chapters"):
+        run_book.chapters(book, [])
+    for name in ["01_a.ipynb", "02_b.ipynb", "11b_c.ipynb"]:
+        write_notebook(book / name, "x = 1")
+    names = [p.name for p in run_book.chapters(book, ["11b", "01"])]
+    assert names == ["01_a.ipynb", "11b_c.ipynb"]  # in the book's order
+    with pytest.raises(SystemExit, match="no chapter starts with 07"):
+        run_book.chapters(book, ["07"])
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="sees no CUDA GPU"):
+            run_book.main(["--device", "cuda", "--book", str(book)])

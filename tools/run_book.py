@@ -139,19 +139,20 @@ def execute_one(chapter: Path, progress: Path, timeout: float) -> dict:
     return {"failed_cell": None, "error": None}
 
 
-def run_chapter(chapter: Path, timeout: float, env: dict) -> dict:
+def run_chapter(chapter: Path, device: str, timeout: float, env: dict) -> dict:
     "One chapter in a child process, killed with its kernel after `timeout` seconds"
     with tempfile.TemporaryDirectory() as tmp:
         progress, result = Path(tmp) / "cell", Path(tmp) / "result.json"
         command = [sys.executable, __file__, "--execute-one", str(chapter)]
         command += ["--progress", str(progress), "--result", str(result)]
-        command += ["--timeout", str(timeout)]
+        command += ["--device", device, "--timeout", str(timeout)]
         start = time.perf_counter()
         child = subprocess.Popen(command, env=env, start_new_session=True)
         try:
             child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)  # the child and the kernel it started
+            # the child; its kernel (a session of its own) exits when it sees it gone
+            os.killpg(child.pid, signal.SIGKILL)
             child.wait()
             cell = progress.read_text() if progress.exists() else None
             outcome = {"failed_cell": cell, "error": f"timed out after {timeout:g} s"}
@@ -210,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the kernels see no GPU
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # nor does environment() below
     else:
         import torch
 
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     output.parent.mkdir(parents=True, exist_ok=True)
     for chapter in selected:
-        row = run_chapter(chapter, args.timeout, env)
+        row = run_chapter(chapter, args.device, args.timeout, env)
         record["chapters"].append(row)
         where = "" if row["passed"] else f" at {row['failed_cell']}: {row['error']}"
         print(
