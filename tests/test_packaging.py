@@ -154,3 +154,34 @@ def test_the_shipped_nano_model():
         "setuptools"
     ]["package-data"]["paligemma_lib"]
     assert "assets/nano/*" in package_data  # in the wheel, not only in the repository
+
+
+def floor_pins() -> dict[str, str]:
+    "constraints-floor.txt: name -> the version it pins"
+    pins = {}
+    for line in (ROOT / "constraints-floor.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = re.fullmatch(r"([A-Za-z0-9_.\-]+)==(\S+)", line).groups()
+            pins[split(name)[0]] = version
+    return pins
+
+
+def test_floor_constraints_pin_exactly_the_floors():
+    """Every runtime and chapters' requirement states a floor (>=), and
+    constraints-floor.txt pins exactly it: the readers' environment tests the floors"""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["chapters"]
+    floors = {}
+    for requirement in wanted:
+        name, spec = split(requirement)
+        match = re.fullmatch(r">=([0-9][0-9.]*)", spec)
+        assert match, f"{requirement}: state the lowest tested version as {name}>=X"
+        floors[name] = match.group(1)
+    pins = floor_pins()
+    # torchvision is no requirement: the readers' environment has it, as Colab does
+    assert set(pins) - set(floors) == {"torchvision"}, set(pins) ^ set(floors)
+    for name, version in floors.items():
+        assert pins[name] == version, (
+            f"{name}: pyproject.toml's floor is {version}, "
+            f"constraints-floor.txt pins {pins[name]}"
+        )
