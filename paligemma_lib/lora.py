@@ -3,12 +3,13 @@
 # %% auto #0
 __all__ = ['DEFAULT_TARGETS', 'ALL_LINEAR', 'ADAPTER_CONFIG', 'ADAPTER_WEIGHTS',
            'PEFT_PREFIX', 'OURS_TO_PEFT', 'UNSUPPORTED', 'CHANGES_BASE',
-           'LORA_PARTS', 'SHIPPED_ADAPTERS', 'LoraConfig', 'LoraLinear',
-           'matches', 'lora_modules', 'is_all_linear', 'find_targets',
-           'add_lora', 'count_parameters', 'merge_lora', 'unmerge_lora',
-           'lora_state_dict', 'peft_name', 'peft_target_modules',
-           'save_adapter', 'lora_config_from_peft', 'adapted_module',
-           'resolve_adapter_path', 'load_adapter']
+           'LORA_PARTS', 'SHIPPED_ADAPTERS', 'saved_activation_bytes',
+           'LoraConfig', 'LoraLinear', 'matches', 'lora_modules',
+           'is_all_linear', 'find_targets', 'add_lora', 'count_parameters',
+           'finetune_memory', 'merge_lora', 'unmerge_lora', 'lora_state_dict',
+           'peft_name', 'peft_target_modules', 'save_adapter',
+           'lora_config_from_peft', 'adapted_module', 'resolve_adapter_path',
+           'load_adapter']
 
 # %% ../book/10_lora.ipynb #c003
 import json
@@ -24,6 +25,22 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .weights import our_name
+
+# %% ../book/10_lora.ipynb #129f547f
+def saved_activation_bytes(fn, inputs, weights) -> int:
+    "Bytes of the distinct tensors autograd saves in fn(*inputs), `weights` left out"
+    left_out = {p.untyped_storage()._cdata for p in weights}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage._cdata not in left_out:
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(saved.values())
 
 # %% ../book/10_lora.ipynb #c020
 # Gemma's attention and MLP projections (in SigLIP, q_proj, k_proj and v_proj match too)
@@ -261,6 +278,85 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(
         p.numel() for p in params
     )
+
+# %% ../book/10_lora.ipynb #9122120b
+def finetune_memory(
+    config,
+    lora: LoraConfig | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    batch: int = 2,
+    seq: int = 300,
+    checkpointing: bool = True,
+) -> dict[str, int]:
+    """Bytes a fine-tuning step of a PaliGemmaConfig holds at its peak, by term: the
+    base weights in `dtype` (bf16 on Ampere and later GPUs; fp16 or fp32 on a T4), the
+    trainable parameters' fp32 copy, gradients and AdamW state (LoRA: the adapters;
+    full: every weight, with an fp32 master copy when `dtype` is 16-bit), the
+    activations autograd saves (one layer of each kind measured on the meta device),
+    and the fp32 gradient of the logits, alive in backward next to the saved logits.
+    `seq` tokens per example, `batch` examples; a LoRA model's vision tower and
+    decoder layers get `lora`'s adapters as add_lora gives them."""
+    from paligemma_lib.paligemma import (
+        PaliGemmaForConditionalGeneration,
+        next_token_loss,
+    )
+
+    size, name = torch.finfo(dtype).bits // 8, str(dtype).removeprefix("torch.")
+    text, vision = config.text, config.vision
+    n_image = (vision.image_size // vision.patch_size) ** 2
+    with torch.device("meta"):
+        model = PaliGemmaForConditionalGeneration(config).to(dtype)
+        if lora is not None:
+            add_lora(model, lora)
+        text_layer = model.language_model.model.layers[0]
+        vision_layer = model.vision_tower.vision_model.encoder.layers[0]
+        h = torch.randn(batch, seq, text.hidden_size, dtype=dtype, requires_grad=True)
+        h_vision = torch.randn(  # [B, N_image, D_vision]
+            batch, n_image, vision.hidden_size, dtype=dtype, requires_grad=True
+        )
+        positions = torch.arange(seq)[None].expand(batch, seq)
+        cos_sin = model.language_model.model.rotary_emb(positions, dtype)
+        mask = torch.zeros(batch, 1, seq, seq, dtype=dtype)  # [B, 1, S, S], additive
+        labels = torch.randint(0, text.vocab_size, (batch, seq))
+        head = model.language_model.lm_head
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n_frozen = sum(p.numel() for p in frozen)
+    n_train = sum(p.numel() for p in trainable)
+    weights = list(model.parameters())
+    per_layer = {
+        "text": saved_activation_bytes(text_layer, (h, cos_sin, mask), weights),
+        "vision": saved_activation_bytes(vision_layer, (h_vision,), weights),
+        "head": saved_activation_bytes(
+            lambda h: next_token_loss(head(h), labels), (h,), weights
+        ),
+    }
+    L_text, L_vision = text.num_hidden_layers, vision.num_hidden_layers
+    if checkpointing:  # each layer's input kept; one layer's inside while recomputed
+        layers = size * batch * (
+            L_text * seq * text.hidden_size + L_vision * n_image * vision.hidden_size
+        ) + max(per_layer["text"], per_layer["vision"])
+    else:
+        layers = L_text * per_layer["text"] + L_vision * per_layer["vision"]
+    train_size = torch.finfo(trainable[0].dtype).bits // 8
+    if lora is not None:
+        terms = {
+            f"frozen weights ({name})": size * n_frozen,
+            "adapter weights": train_size * n_train,
+            "adapter gradients": train_size * n_train,
+        }
+    else:
+        terms = {
+            f"weights ({name})": size * n_train,
+            f"gradients ({name})": size * n_train,
+        }
+        if size < 4:
+            terms["fp32 master weights"] = 4 * n_train
+    terms["AdamW moments and steps"] = 8 * n_train + 4 * len(trainable)
+    terms["activations" + (" (checkpointing)" if checkpointing else "")] = layers
+    terms["logits and loss (saved)"] = per_layer["head"]
+    terms["logits' gradient (fp32, backward)"] = 4 * batch * seq * text.vocab_size
+    return terms
 
 # %% ../book/10_lora.ipynb #c050
 @torch.no_grad()

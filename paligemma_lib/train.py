@@ -4,15 +4,16 @@
 __all__ = ['CHECKPOINTS', 'TRAINING_STATE', 'TASKS', 'RECEIPT_FIELDS', 'MODEL_SIZES',
            'token_loss_sum', 'count_targets', 'param_groups',
            'make_optimizer', 'warmup_cosine', 'make_scheduler', 'epoch_order',
-           'global_batch', 'shard', 'autocast', 'training_step',
-           'set_gradient_checkpointing', 'rng_states', 'set_rng_states',
-           'save_checkpoint', 'latest_checkpoint', 'load_checkpoint',
-           'TrainConfig', 'world', 'init_distributed', 'StepBatches',
-           'step_batches', 'train', 'validation_loss', 'predict', 'task_of',
-           'exact_match', 'box_iou', 'match_boxes', 'detection_metrics',
-           'levenshtein', 'character_error_rate', 'parse_receipt',
-           'receipt_metrics', 'compute_metrics', 'format_metrics',
-           'make_evaluator', 'model_config']
+           'global_batch', 'shard', 'autocast_dtype', 'autocast',
+           'grad_scaler', 'training_step', 'set_gradient_checkpointing',
+           'rng_states', 'set_rng_states', 'save_checkpoint',
+           'latest_checkpoint', 'load_checkpoint', 'TrainConfig', 'world',
+           'init_distributed', 'train', 'StepBatches', 'step_batches',
+           'validation_loss', 'predict', 'task_of', 'exact_match', 'box_iou',
+           'match_boxes', 'detection_metrics', 'levenshtein',
+           'character_error_rate', 'parse_receipt', 'receipt_metrics',
+           'compute_metrics', 'format_metrics', 'make_evaluator',
+           'model_config']
 
 # %% ../book/11b_training.ipynb #c003
 import contextlib
@@ -37,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from .config import PaliGemmaConfig, TextConfig, VisionConfig
-from .generation import answer
+from .generation import answer, has_native_bf16
 from paligemma_lib.lora import (
     ADAPTER_WEIGHTS,
     adapted_module,
@@ -147,11 +148,33 @@ def shard(
     return [mine[i * size : (i + 1) * size] for i in range(accumulation)]
 
 # %% ../book/11b_training.ipynb #c023
+def autocast_dtype(device, native_bf16: bool | None = None) -> torch.dtype | None:
+    """The dtype autocast computes in on `device`: bf16 on a CUDA GPU with bf16 in
+    hardware (Ampere and later), fp16 on an older one (a T4 emulates bf16, slowly),
+    None elsewhere (no autocast: fp32 throughout). native_bf16: what the GPU has, as
+    `has_native_bf16(device)` (chapter 8) answers when it is None"""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    if native_bf16 is None:
+        native_bf16 = has_native_bf16(device)
+    return torch.bfloat16 if native_bf16 else torch.float16
+
+
 def autocast(device) -> contextlib.AbstractContextManager:
-    "bf16 autocast on CUDA; on other devices nothing: fp32 throughout"
-    if torch.device(device).type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    "Autocast in `autocast_dtype(device)`; on the CPU nothing: fp32 throughout"
+    dtype = autocast_dtype(device)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def grad_scaler(device) -> torch.amp.GradScaler:
+    "A loss scaler, on only where autocast computes in fp16 (its gradients underflow)"
+    device = torch.device(device)
+    return torch.amp.GradScaler(
+        device.type, enabled=autocast_dtype(device) == torch.float16
+    )
 
 
 def _forward_logits(model, batch) -> torch.Tensor:
@@ -172,13 +195,17 @@ def training_step(
     max_grad_norm: float = 1.0,
     device="cpu",
     world_size: int = 1,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[float, float]:
     """One optimiser step over this process's micro-batches (PaliGemmaBatch with
     labels). The loss is the mean over all answer tokens of the global batch, so k
     micro-batches give the gradient of one batch k times as large. `model` may be
-    wrapped in DistributedDataParallel. -> (the global batch's loss, the gradient
-    norm before clipping)"""
+    wrapped in DistributedDataParallel. scaler: `grad_scaler(device)`, kept across
+    steps (fp16 autocast); None: no loss scaling. -> (the global batch's loss, the
+    gradient norm before clipping; inf when an fp16 step overflowed and was skipped)"""
     model.train()
+    if scaler is None:
+        scaler = torch.amp.GradScaler(torch.device(device).type, enabled=False)
     count = torch.tensor(
         float(sum(count_targets(b.labels) for b in micro_batches)), device=device
     )
@@ -195,12 +222,14 @@ def training_step(
             with autocast(device):
                 logits = _forward_logits(model, batch)  # [B, S, V]
             loss = token_loss_sum(logits, batch.labels) / count
-            (loss * world_size).backward()  # DDP averages over the processes
+            scaler.scale(loss * world_size).backward()  # DDP averages over processes
         total += loss.detach()
     if world_size > 1:
         dist.all_reduce(total)
+    scaler.unscale_(optimizer)  # the true gradients, before clipping
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
+    scaler.step(optimizer)  # skipped if a gradient is inf or nan
+    scaler.update()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return total.item(), norm.item()
@@ -402,6 +431,130 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
+def train(
+    model: nn.Module,
+    dataset,
+    collate,
+    config: TrainConfig,
+    out_dir=None,
+    resume: bool = False,
+    evaluate=None,
+    processor=None,
+    device="cpu",
+    progress: bool = True,
+    on_step=None,
+    workers: int = 0,
+) -> dict:
+    """Train `model` in place on `dataset` (ds[i] -> (image, prompt, answer)),
+    batched by `collate` (a list of triples -> PaliGemmaBatch with labels).
+
+    out_dir: where checkpoints go (out_dir/checkpoints/step-N), every
+        config.save_every steps and at the end; None: no checkpoints.
+    resume: continue from the newest checkpoint of out_dir.
+    evaluate: evaluate(model) -> dict of numbers, every config.eval_every steps and at
+        the end (process 0 only), e.g. from `make_evaluator`.
+    processor: saved into each checkpoint, so that it is a complete model folder.
+    device: where the model trains (`autocast_dtype`: bf16, or fp16 with a gradient
+        scaler, on CUDA; fp32 elsewhere).
+    on_step: on_step(step, loss) after each step, e.g. to stop a run early.
+    workers: processes that build batches ahead of the loop (0: build each in this
+        process when it is needed); the batches, and so the weights, are the same.
+    Under torchrun (`init_distributed` called) the model is wrapped in
+    DistributedDataParallel and each process takes its share of every global batch.
+    Returns the history: lists "step", "loss", "lr", "grad_norm" and "eval" (dicts)."""
+    rank, world_size = world()
+    config.micro_batch_size(world_size)  # checks the split
+    device = torch.device(device)
+    model.to(device)
+    set_gradient_checkpointing(model, config.gradient_checkpointing)
+    optimizer = make_optimizer(model, config.lr, config.weight_decay)
+    scheduler = make_scheduler(
+        optimizer, config.warmup_steps, config.steps, config.min_lr_ratio
+    )
+    scaler = grad_scaler(device)  # enabled only for fp16 autocast
+    history = {"step": [], "loss": [], "lr": [], "grad_norm": [], "eval": []}
+    start = 0
+    if resume:
+        folder = latest_checkpoint(out_dir) if out_dir is not None else None
+        if folder is None:
+            raise FileNotFoundError(f"nothing to resume: {out_dir} has no checkpoint")
+        state = load_checkpoint(folder, model, optimizer, scheduler)
+        _check_resumable(state, config, len(dataset), folder)
+        start, history = state["step"], state["history"]
+        if state.get("scaler"):  # a run with fp16 autocast
+            scaler.load_state_dict(state["scaler"])
+    else:
+        random.seed(config.seed)
+        torch.manual_seed(config.seed)
+    ddp = model
+    if world_size > 1:
+        ddp = DistributedDataParallel(
+            model, device_ids=[device] if device.index else None
+        )
+    bar = tqdm(
+        total=config.steps,
+        initial=start,
+        disable=not progress or rank != 0,
+        unit="step",
+    )
+    begin, seen = time.perf_counter(), 0
+    if not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"workers={workers!r}: it must be an integer >= 0")
+    batches = StepBatches(dataset, collate, config, rank, world_size)
+    upcoming = step_batches(batches, start, workers)
+    for step in range(start, config.steps):
+        micro_batches = next(upcoming)
+        lr = optimizer.param_groups[0]["lr"]
+        loss, norm = training_step(
+            ddp,
+            micro_batches,
+            optimizer,
+            scheduler,
+            config.max_grad_norm,
+            device,
+            world_size,
+            scaler,
+        )
+        done, seen = step + 1, seen + config.batch_size
+        for key, value in zip(history, (done, loss, lr, norm)):
+            history[key].append(value)
+        speed = seen / (time.perf_counter() - begin)
+        bar.set_postfix(loss=f"{loss:.4f}", examples_per_s=f"{speed:.1f}")
+        bar.update()
+        if (
+            evaluate is not None
+            and rank == 0
+            and _due(done, config.eval_every, config.steps)
+        ):
+            history["eval"].append({"step": done, **evaluate(model)})
+            bar.write(
+                f"step {done}: "
+                + ", ".join(
+                    f"{k} {v:.4g}"
+                    for k, v in history["eval"][-1].items()
+                    if k != "step"
+                )
+            )
+        if (
+            out_dir is not None
+            and rank == 0
+            and _due(done, config.save_every, config.steps)
+        ):
+            state = {
+                "step": done,
+                "num_examples": len(dataset),
+                "config": asdict(config),
+                "history": history,
+                "scaler": scaler.state_dict(),
+            }
+            save_checkpoint(out_dir, model, optimizer, scheduler, state, processor)
+        if on_step is not None:
+            on_step(done, loss)
+    bar.close()
+    set_gradient_checkpointing(model, False)
+    return history
+
+# %% ../book/11b_training.ipynb #45f26bac
 class StepBatches(torch.utils.data.Dataset):
     """Item `step` -> this process's micro-batches for that optimiser step. A step's
     batch depends only on (step, seed), so worker processes can build batches ahead
@@ -442,124 +595,6 @@ def step_batches(batches: StepBatches, start: int, workers: int = 0):
         )
     )
 
-
-def train(
-    model: nn.Module,
-    dataset,
-    collate,
-    config: TrainConfig,
-    out_dir=None,
-    resume: bool = False,
-    evaluate=None,
-    processor=None,
-    device="cpu",
-    progress: bool = True,
-    on_step=None,
-    workers: int = 0,
-) -> dict:
-    """Train `model` in place on `dataset` (ds[i] -> (image, prompt, answer)),
-    batched by `collate` (a list of triples -> PaliGemmaBatch with labels).
-
-    out_dir: where checkpoints go (out_dir/checkpoints/step-N), every
-        config.save_every steps and at the end; None: no checkpoints.
-    resume: continue from the newest checkpoint of out_dir.
-    evaluate: evaluate(model) -> dict of numbers, every config.eval_every steps and at
-        the end (process 0 only), e.g. from `make_evaluator`.
-    processor: saved into each checkpoint, so that it is a complete model folder.
-    device: where the model trains (bf16 autocast on CUDA, fp32 elsewhere).
-    on_step: on_step(step, loss) after each step, e.g. to stop a run early.
-    workers: processes that build batches ahead of the loop (0: build each in this
-        process when it is needed); the batches, and so the weights, are the same.
-    Under torchrun (`init_distributed` called) the model is wrapped in
-    DistributedDataParallel and each process takes its share of every global batch.
-    Returns the history: lists "step", "loss", "lr", "grad_norm" and "eval" (dicts)."""
-    rank, world_size = world()
-    config.micro_batch_size(world_size)  # checks the split
-    device = torch.device(device)
-    model.to(device)
-    set_gradient_checkpointing(model, config.gradient_checkpointing)
-    optimizer = make_optimizer(model, config.lr, config.weight_decay)
-    scheduler = make_scheduler(
-        optimizer, config.warmup_steps, config.steps, config.min_lr_ratio
-    )
-    history = {"step": [], "loss": [], "lr": [], "grad_norm": [], "eval": []}
-    start = 0
-    if resume:
-        folder = latest_checkpoint(out_dir) if out_dir is not None else None
-        if folder is None:
-            raise FileNotFoundError(f"nothing to resume: {out_dir} has no checkpoint")
-        state = load_checkpoint(folder, model, optimizer, scheduler)
-        _check_resumable(state, config, len(dataset), folder)
-        start, history = state["step"], state["history"]
-    else:
-        random.seed(config.seed)
-        torch.manual_seed(config.seed)
-    ddp = model
-    if world_size > 1:
-        ddp = DistributedDataParallel(
-            model, device_ids=[device] if device.index else None
-        )
-    bar = tqdm(
-        total=config.steps,
-        initial=start,
-        disable=not progress or rank != 0,
-        unit="step",
-    )
-    begin, seen = time.perf_counter(), 0
-    if not isinstance(workers, int) or workers < 0:
-        raise ValueError(f"workers={workers!r}: it must be an integer >= 0")
-    batches = StepBatches(dataset, collate, config, rank, world_size)
-    upcoming = step_batches(batches, start, workers)
-    for step in range(start, config.steps):
-        micro_batches = next(upcoming)
-        lr = optimizer.param_groups[0]["lr"]
-        loss, norm = training_step(
-            ddp,
-            micro_batches,
-            optimizer,
-            scheduler,
-            config.max_grad_norm,
-            device,
-            world_size,
-        )
-        done, seen = step + 1, seen + config.batch_size
-        for key, value in zip(history, (done, loss, lr, norm)):
-            history[key].append(value)
-        speed = seen / (time.perf_counter() - begin)
-        bar.set_postfix(loss=f"{loss:.4f}", examples_per_s=f"{speed:.1f}")
-        bar.update()
-        if (
-            evaluate is not None
-            and rank == 0
-            and _due(done, config.eval_every, config.steps)
-        ):
-            history["eval"].append({"step": done, **evaluate(model)})
-            bar.write(
-                f"step {done}: "
-                + ", ".join(
-                    f"{k} {v:.4g}"
-                    for k, v in history["eval"][-1].items()
-                    if k != "step"
-                )
-            )
-        if (
-            out_dir is not None
-            and rank == 0
-            and _due(done, config.save_every, config.steps)
-        ):
-            state = {
-                "step": done,
-                "num_examples": len(dataset),
-                "config": asdict(config),
-                "history": history,
-            }
-            save_checkpoint(out_dir, model, optimizer, scheduler, state, processor)
-        if on_step is not None:
-            on_step(done, loss)
-    bar.close()
-    set_gradient_checkpointing(model, False)
-    return history
-
 # %% ../book/11b_training.ipynb #c040
 @torch.no_grad()
 def validation_loss(
@@ -584,7 +619,7 @@ def predict(
     processor,
     dataset,
     batch_size: int = 16,
-    max_new_tokens: int = 32,
+    max_new_tokens: int = 64,  # a receipt's JSON is about 35 tokens
     limit=None,
 ) -> list[dict]:
     """Greedy answers to the first `limit` examples (all if None) ->

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from paligemma_lib.processing import (
     GemmaTokenizer,
@@ -21,12 +22,14 @@ from paligemma_lib.processing import (
 from paligemma_lib.train import (
     CHECKPOINTS,
     TrainConfig,
+    autocast_dtype,
     box_iou,
     character_error_rate,
     compute_metrics,
     detection_metrics,
     epoch_order,
     global_batch,
+    grad_scaler,
     latest_checkpoint,
     levenshtein,
     make_optimizer,
@@ -173,6 +176,9 @@ def test_accumulation_equals_one_larger_batch():
     small, small_grads, small_loss, _ = grads_after_step(4, examples)
     assert small_loss == pytest.approx(big_loss, rel=1e-6)
     for name, g in big_grads.items():
+        # fp32 gradients summed in another grouping (<= 4 parts of <= 32 tokens) and
+        # width-16 products: ~100 x 2^-24 ~ 6e-6 relative; atol for entries cancelling
+        # to ~0
         torch.testing.assert_close(small_grads[name], g, rtol=1e-5, atol=1e-7)
     for p, q in zip(big.parameters(), small.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-5)  # Adam: lr 1e-2 x 1e-3
@@ -199,6 +205,37 @@ def test_clipping_rescales_the_global_norm():
     )
 
 
+def test_autocast_dtype_follows_the_gpu():
+    # decided from what the GPU has, so it is tested on a CPU-only machine
+    assert autocast_dtype("cuda", native_bf16=True) == torch.bfloat16  # Ampere+
+    assert autocast_dtype("cuda", native_bf16=False) == torch.float16  # e.g. a T4
+    assert autocast_dtype("cpu") is None
+    assert not grad_scaler("cpu").is_enabled()  # fp32 on the CPU: nothing to scale
+
+
+def test_a_scaled_step_equals_an_unscaled_one():
+    """The gradient scaler's path, on the CPU: scaling by 2^16 and unscaling by 2^-16
+    are exact in binary floating point, so weights and norm are bit for bit those of
+    an unscaled step. Seen to catch: `scaler.unscale_(optimizer)` removed (the norm
+    is then 2^16 times too large and clipping shrinks the step)."""
+    examples = [DATA[i] for i in range(8)]
+
+    def step(scaler):
+        model = toy_model()
+        optimizer = make_optimizer(model, lr=1e-2)
+        scheduler = make_scheduler(optimizer, 1, 10)
+        _, norm = training_step(
+            model, [collate(examples)], optimizer, scheduler, scaler=scaler
+        )
+        return model, norm
+
+    (plain, plain_norm) = step(None)
+    (scaled, scaled_norm) = step(torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    assert scaled_norm == plain_norm
+    for (name, p), q in zip(plain.named_parameters(), scaled.parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     batch = collate([DATA[i] for i in range(4)])
     grads = []
@@ -207,6 +244,8 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model(**{k: batch[k] for k in batch.keys()}).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, g in grads[0].items():
+        # recomputation repeats the same fp32 kernels; gradient sums in another order:
+        # ~6e-6
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7)
     layer = model.language_model.model.layers[0]
     assert "forward" in layer.__dict__
@@ -227,9 +266,20 @@ def test_train_config_refuses_impossible_settings():
 SMALL = TrainConfig(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, save_every=2)
 
 
+def flipping_collate(examples):
+    """collate after a random left-right flip of each image (torch's generator): the
+    batches depend on the random state, so a resume that forgot it changes them"""
+    images, prompts, answers = zip(*examples)
+    flip = Image.Transpose.FLIP_LEFT_RIGHT
+    images = [im.transpose(flip) if torch.rand(()) < 0.5 else im for im in images]
+    return collate(list(zip(images, prompts, answers)))
+
+
 def test_a_resumed_run_ends_bit_for_bit_equal(tmp_path):
+    """Bit for bit: the same fp32 operations in the same order on the same CPU. Seen
+    to catch: `set_rng_states` made a no-op (the random flips differ after resume)."""
     uninterrupted = toy_model()
-    train(uninterrupted, DATA, collate, SMALL, progress=False)
+    train(uninterrupted, DATA, flipping_collate, SMALL, progress=False)
 
     def stop(step, loss):
         if step == 5:
@@ -239,20 +289,18 @@ def test_a_resumed_run_ends_bit_for_bit_equal(tmp_path):
         train(
             toy_model(),
             DATA,
-            collate,
+            flipping_collate,
             SMALL,
             out_dir=tmp_path,
             progress=False,
             on_step=stop,
         )
     assert latest_checkpoint(tmp_path).name == "step-0000004"
-    resumed = toy_model(
-        seed=1
-    )  # the checkpoint replaces these weights  (the checkpoint replaces these weights)
+    resumed = toy_model(seed=1)  # the checkpoint replaces these weights
     history = train(
         resumed,
         DATA,
-        collate,
+        flipping_collate,
         SMALL,
         out_dir=tmp_path,
         resume=True,
@@ -289,6 +337,7 @@ def test_resume_refuses_other_settings_or_nothing_to_resume(tmp_path):
 # --- DDP: 2 gloo processes = 1 process ---
 
 DDP_SCRIPT = """
+import json
 import sys
 import numpy as np
 import torch
@@ -311,7 +360,8 @@ config = TrainConfig(steps=4, batch_size=8, accumulation=2, lr=1e-2, warmup_step
 history = train(model, ColourDataset(32), collate, config, progress=False)
 if rank == 0:
     save_file(dict(model.named_parameters()), sys.argv[1])
-    print("losses", history["loss"])
+    with open(sys.argv[1] + ".json", "w") as f:
+        json.dump(history["grad_norm"], f)
 """
 
 
@@ -342,15 +392,27 @@ def torchrun(tmp_path, processes: int) -> dict:
     assert run.returncode == 0, run.stderr[-3000:]
     from safetensors.torch import load_file
 
-    return load_file(out)
+    return load_file(out), json.loads(Path(f"{out}.json").read_text())
 
 
 def test_ddp_two_processes_equal_one(tmp_path):
-    """Same global batch (8 = 2 processes x 2 micro-batches x 2): the weights agree
-    within 1e-5 (Adam, lr 1e-2; the gradient sums run in another order)"""
-    one, two = torchrun(tmp_path, 1), torchrun(tmp_path, 2)
+    """Same global batch (8 = 2 processes x 2 micro-batches x 2). Seen to catch:
+    `(loss * world_size).backward()` written `loss.backward()` (DDP's average then
+    halves the gradient; Adam and clipping hide that in the weights, not in the norm
+    of the first step's gradient)."""
+    (one, one_norms), (two, two_norms) = torchrun(tmp_path, 1), torchrun(tmp_path, 2)
+    # step 1's gradient, before any optimiser step: the same weights, the same sums in
+    # another order. Each entry sums ~10^3 fp32 terms (tokens x width), so its rounding
+    # is below 10^3 x eps32 ~ 1.2e-4 of the sum of magnitudes; the norm, dominated by
+    # its large entries, moves less. A factor of 2 (the mutation) is far outside.
+    assert math.isclose(two_norms[0], one_norms[0], rel_tol=1e-4), (
+        one_norms,
+        two_norms,
+    )
     assert one.keys() == two.keys()
     for name in one:
+        # Adam's update is at most lr = 1e-2 per step per entry whatever the gradient's
+        # scale; gradients equal to ~1e-4 relative move 4 updates by far less than 1e-5
         torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-5)
     moved = toy_model().state_dict()
     assert not torch.equal(
@@ -569,12 +631,14 @@ def test_train_then_evaluate_on_the_worlds(tmp_path):
 
 
 def test_a_resumed_lora_run_ends_bit_for_bit_equal(tmp_path):
+    """Bit for bit (same fp32 operations, same order). LoRA dropout 0.5 draws from
+    torch's generator at every step. Seen to catch: `set_rng_states` made a no-op."""
     from paligemma_lib.lora import LoraConfig, add_lora, lora_state_dict
 
     def adapted(seed=0):
         model = toy_model()  # the same base weights every time
         torch.manual_seed(seed)  # the adapter's own initialisation
-        add_lora(model, LoraConfig(r=2))
+        add_lora(model, LoraConfig(r=2, dropout=0.5))
         return model
 
     uninterrupted = adapted()
