@@ -174,6 +174,8 @@ def test_accumulation_equals_one_larger_batch():
     )  # answers of different lengths: a mean of means would differ
     big, big_grads, big_loss, _ = grads_after_step(1, examples)
     small, small_grads, small_loss, _ = grads_after_step(4, examples)
+    # fp32 token losses summed in another grouping (<= 4 parts of <= 32 tokens): a few
+    # roundings of 2^-24 each, ~1e-7 relative; 1e-6 leaves a factor of 10
     assert small_loss == pytest.approx(big_loss, rel=1e-6)
     for name, g in big_grads.items():
         # fp32 gradients summed in another grouping (<= 4 parts of <= 32 tokens) and
@@ -199,6 +201,8 @@ def test_clipping_rescales_the_global_norm():
     _, clipped, _, same_norm = grads_after_step(1, examples, max_grad_norm=1e-3)
     assert same_norm == pytest.approx(norm) and norm > 1e-3
     flat = torch.cat([g.flatten() for g in clipped.values()])
+    # clipping multiplies by 1e-3 / norm in fp32 (one rounding each) and the norm of
+    # the result sums ~1e4 squares in fp32: well below 1e-5 relative; 1e-4 to spare
     assert flat.norm().item() == pytest.approx(1e-3, rel=1e-4)
     torch.testing.assert_close(
         flat, torch.cat([g.flatten() for g in free.values()]) * (1e-3 / norm)
