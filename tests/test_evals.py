@@ -1,0 +1,55 @@
+"""The evaluations the book reports: test examples that no choice looked at, and records
+that say which evaluator made which number (issue 22 sections 1 and 2)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from paligemma_lib.data import SPLITS, SyntheticDataset
+from paligemma_lib.lora import resolve_adapter_path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import evaluate_fresh  # noqa: E402
+
+FRESH = ROOT / "benchmarks/results/fresh-test-20261123.json"
+# the test indices a choice looked at: the GPU tools' evaluations (shapes 0-479, OCR and
+# receipts 0-199), which the chapters' earlier reports (0-95) lie inside
+CHOSEN_ON = {"shapes": 480, "ocr": 200, "receipts": 200}
+
+
+def test_fresh_range_is_past_every_choice():
+    assert evaluate_fresh.FRESH_START >= max(CHOSEN_ON.values())
+    result = json.loads(FRESH.read_text())
+    first, last = result["test indices"]
+    assert first == evaluate_fresh.FRESH_START and last >= first
+    n = last - first + 1
+    for part in [*result["nano"].values(), result["receipts"]]:
+        assert len(part["rows"]) == n
+
+
+def test_fresh_slice_takes_the_test_seeds_from_the_offset():
+    count = evaluate_fresh.fresh("shapes", 3, "count", start=7)
+    full = SyntheticDataset("shapes", "test", task="count")
+    for i in range(3):
+        assert count.example(i).seed == SPLITS["test"][7 + i]
+        assert count[i][1:] == full[7 + i][1:]  # the same prompt and answer
+    with pytest.raises(ValueError, match="examples"):
+        evaluate_fresh.fresh("ocr", 2, start=len(SPLITS["test"]) - 1)
+
+
+def test_receipts_record_marks_the_old_evaluator():
+    record = json.loads(
+        (resolve_adapter_path("receipts") / "training_record.json").read_text()
+    )
+    old = record["history"]["eval"][-1]["receipt exact match"]
+    assert old == 3 / 64  # kept as written, not rewritten
+    assert "32" in record["notes"]["history"]
+    again = record["evaluations"]["receipts/validation"]
+    assert again["max_new_tokens"] == 64 and again["examples"] == 64
+    # the same 64 validation receipts as the saved fresh evaluation's first part
+    saved = json.loads(FRESH.read_text())["receipts validation (first 64)"]
+    assert saved["metrics"] == again["metrics"]

@@ -1,0 +1,52 @@
+"""The GPU tools' shared driver: choices are made on the validation split only (issue
+22 section 1). No GPU and no training: `choose` gets a fake evaluate that records the
+splits it is asked for."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import gpu_driver  # noqa: E402
+import train_nano_gpu  # noqa: E402
+import train_receipts_gpu  # noqa: E402
+
+
+def test_choose_reads_only_validation():
+    asked = []
+    scores = {"a": 0.2, "b": 0.9, "c": 0.5}
+
+    def evaluate(name, split):
+        asked.append((name, split))
+        return {"receipt": {"all fields": scores[name]}}
+
+    best, metrics = gpu_driver.choose(list(scores), evaluate, train_receipts_gpu.score)
+    assert best == "b"
+    assert asked == [(n, "validation") for n in scores]  # never "test" nor "train"
+    assert set(metrics) == set(scores)
+
+
+def test_choose_nano_score_on_validation():
+    asked = []
+
+    def evaluate(name, split):
+        asked.append(split)
+        good = name == "lr-2e-3"
+        shapes = {
+            t: {"exact match": 1.0 if good else 0.5}
+            for t in ("caption", "count", "colour")
+        } | {"detection": {"mean IoU": 0.8 if good else 0.4}}
+        return {"shapes": shapes, "ocr": {"ocr": {"character error rate": 0.05}}}
+
+    best, _ = gpu_driver.choose(
+        list(train_nano_gpu.RUNS), evaluate, train_nano_gpu.score
+    )
+    assert best == "lr-2e-3"
+    assert set(asked) == {gpu_driver.SELECTION_SPLIT} == {"validation"}
+
+
+def test_choose_without_runs_says_so():
+    with pytest.raises(ValueError, match="no run finished"):
+        gpu_driver.choose([], lambda name, split: {}, train_receipts_gpu.score)

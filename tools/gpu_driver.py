@@ -1,0 +1,114 @@
+# Hand-written, not exported from a notebook.
+"""The driver that tools/train_nano_gpu.py and tools/train_receipts_gpu.py share: launch
+runs of `python -m paligemma_lib train` side by side, measure their steps per second,
+evaluate, and choose.
+
+The rule (issue 22 section 1): every choice, the learning rate, the LoRA targets, the
+run to ship, is made on the VALIDATION split. `choose` asks `evaluate` for the
+validation split only; the test split is evaluated after the choice, once, to report.
+"""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SELECTION_SPLIT = "validation"  # the only split a choice may read
+
+
+class Driver:
+    "One tool's launcher, log and output folder"
+
+    def __init__(self, out: Path, work: Path, base: list[str]):
+        # base: the train flags every run shares (model or config, batch, worlds, ...)
+        self.out, self.work, self.base = out, work, base
+        out.mkdir(parents=True, exist_ok=True)
+        self.log = open(out / "log.txt", "w")
+        self.begin = time.time()
+
+    def say(self, *words):
+        line = " ".join(str(w) for w in words)
+        print(line, flush=True)
+        print(line, file=self.log, flush=True)
+
+    def train(self, steps: int, extra: list[str], folder: Path, pipe: bool = False):
+        command = [
+            sys.executable, "-m", "paligemma_lib", "train", *self.base,
+            "--out", str(folder), "--steps", str(steps), "--no-progress", *extra,
+        ]  # fmt: skip
+        self.say("$", " ".join(command[1:]))
+        return subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=subprocess.PIPE if pipe else self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def calibrate(self, runs: dict, budget: float, reserve: float) -> int | None:
+        """Run every configuration 90 steps side by side (discarded); the time between
+        the first run's evaluations at steps 30 and 90 gives the rate. The step count
+        that fits what is left of `budget` less `reserve` (None if calibration fails)"""
+        stamps, procs = {}, []
+        for i, (name, extra) in enumerate(runs.items()):
+            small = [*extra, "--eval-size", "16", "--eval-every", "30"]
+            procs.append(self.train(90, small, self.work / f"cal-{name}", i == 0))
+        for line in procs[0].stdout:
+            self.log.write(line)
+            if line.startswith(("step 30:", "step 90:")):
+                stamps[line.split(":")[0]] = time.time()
+        if any(p.wait() for p in procs) or len(stamps) != 2:
+            self.say("calibration failed; see the log")
+            return None
+        per_step = (stamps["step 90"] - stamps["step 30"]) / 60
+        left = budget - (time.time() - self.begin) - reserve
+        steps = max(100, int(left / per_step * 0.85) // 100 * 100)
+        self.say(
+            f"calibration: {per_step:.3f} s a step ({len(runs)} runs); {steps} fit"
+        )
+        return steps
+
+    def run_all(self, runs: dict, steps: int, extra: list[str]) -> list[str]:
+        "Train every run side by side; the names of those that finished"
+        procs = {
+            n: self.train(steps, [*e, *extra], self.work / n) for n, e in runs.items()
+        }
+        codes = {n: p.wait() for n, p in procs.items()}
+        self.say("training exit codes:", codes, f"({time.time() - self.begin:.0f} s)")
+        return [n for n, code in codes.items() if code == 0]
+
+    def evaluate(
+        self, folder, world: str, split: str, limit: int, adapter=None
+    ) -> dict:
+        """The metrics {task: {metric: value}} of the model in `folder` (plus the LoRA
+        `adapter` folder, if any) on the first `limit` examples of `split`, greedy,
+        64 new tokens at most (a receipt's JSON is about 35), as `evaluate` grades"""
+        from paligemma_lib import PaliGemmaProcessor, load_pretrained
+        from paligemma_lib.data import SyntheticDataset
+        from paligemma_lib.generation import pick_device
+        from paligemma_lib.lora import load_adapter
+        from paligemma_lib.train import compute_metrics, predict
+
+        device, _ = pick_device()  # float32 weights: the grade, not the speed, counts
+        model = load_pretrained(folder, device=device).eval()
+        if adapter is not None:
+            load_adapter(model, adapter)
+            model.to(device)
+        processor = PaliGemmaProcessor.from_pretrained(folder)
+        dataset = SyntheticDataset(world, split, size=limit)
+        rows = predict(model, processor, dataset, batch_size=64, max_new_tokens=64)
+        metrics = compute_metrics(rows)
+        self.say(f"{folder} {adapter or ''} on {world} {split} ({limit}):", metrics)
+        return metrics
+
+
+def choose(names: list[str], evaluate, score) -> tuple[str, dict]:
+    """The run to ship: the best `score(metrics)` of `evaluate(name, split)` over
+    `names`, where split is always SELECTION_SPLIT. Returns the name and every run's
+    validation metrics. `evaluate` is never asked for another split."""
+    if not names:
+        raise ValueError("no run finished: nothing to choose from")
+    metrics = {name: evaluate(name, SELECTION_SPLIT) for name in names}
+    best = max(names, key=lambda name: score(metrics[name]))
+    return best, metrics
