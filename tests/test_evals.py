@@ -53,3 +53,26 @@ def test_receipts_record_marks_the_old_evaluator():
     # the same 64 validation receipts as the saved fresh evaluation's first part
     saved = json.loads(FRESH.read_text())["receipts validation (first 64)"]
     assert saved["metrics"] == again["metrics"]
+
+
+def test_readme_numbers_are_the_fresh_evaluation():
+    "The README's nano and receipts numbers are those of the fresh record, rounded"
+    fresh = json.loads(FRESH.read_text())
+    nano = {task: part["metrics"] for task, part in fresh["nano"].items()}
+    n = len(fresh["receipts"]["rows"])
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    caption = nano["caption"]["caption"]["exact match"]
+    count = round(nano["count"]["count"]["exact match"] * n)
+    colour = nano["colour"]["colour"]["exact match"]
+    iou = nano["detect"]["detection"]["mean IoU"]
+    cer = nano["ocr"]["ocr"]["character error rate"]
+    receipts = fresh["receipts"]["metrics"]["receipt"]["exact match"]
+    first, last = fresh["test indices"]
+    assert f"test seeds {first}-{last}" in readme
+    assert f"captions {caption:.0%} exactly" in readme
+    assert f"counts {count} of {n} right" in readme
+    assert colour == 1.0 and "names every colour" in readme
+    assert f"mean IoU of {iou:.2f}" in readme
+    assert f"{cer:.1%} character error rate" in readme
+    assert f"{receipts:.1%} of {n} whole answers exactly right" in readme
+    assert f"test receipts {first}-{last}" in readme
