@@ -591,4 +591,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'paligemma_lib.weights.skip_pooling_head': ( 'loading_real_weights.html#skip_pooling_head',
                                                                                     'paligemma_lib/weights.py'),
                                        'paligemma_lib.weights.stored_tensors': ( 'loading_real_weights.html#stored_tensors',
-                                                                                 'paligemma_lib/weights.py')}}}
+                                                                                 'paligemma_lib/weights.py'),
+                                       'paligemma_lib.weights.write_safetensors': ( 'loading_real_weights.html#write_safetensors',
+                                                                                    'paligemma_lib/weights.py')}}}

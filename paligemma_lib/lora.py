@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from .weights import our_name
+from .weights import our_name, write_safetensors
 
 # %% ../book/10_lora.ipynb #129f547f
 def saved_activation_bytes(fn, inputs, weights) -> int:
@@ -480,7 +479,7 @@ def save_adapter(model: nn.Module, folder) -> Path:
         PEFT_PREFIX + peft_name(name): t.detach().to("cpu").contiguous()
         for name, t in lora_state_dict(model).items()
     }
-    save_file(tensors, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    write_safetensors(tensors, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return folder
 

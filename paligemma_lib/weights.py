@@ -6,8 +6,9 @@ __all__ = ['KEY_MAP', 'EMBEDDING', 'LM_HEAD', 'SINGLE_FILE', 'INDEX_FILE', 'DTYP
            'our_name', 'read_checkpoint_json', 'checkpoint_files',
            'stored_tensors', 'check_tensors', 'resolve_dtype',
            'resolve_device', 'skip_pooling_head', 'check_tied_head',
-           'read_tensors', 'load_pretrained', 'save_pretrained', 'hub_cache',
-           'cached_snapshots', 'find_real_checkpoint']
+           'read_tensors', 'load_pretrained', 'write_safetensors',
+           'save_pretrained', 'hub_cache', 'cached_snapshots',
+           'find_real_checkpoint']
 
 # %% ../book/09_loading_real_weights.ipynb #c003
 import json
@@ -411,6 +412,16 @@ def load_pretrained(
     model.language_model.tie_weights()  # assign=True gave lm_head its own Parameter
     return model.eval()
 
+# %% ../book/09_loading_real_weights.ipynb #c039c
+def write_safetensors(tensors: dict, path, metadata: dict | None = None) -> Path:
+    "save_file, then the mode a new file gets from open() (0666 less the umask)"
+    path = Path(path)
+    save_file(tensors, path, metadata=metadata)
+    umask = os.umask(0)  # reading the umask sets it: put it back at once
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+    return path
+
 # %% ../book/09_loading_real_weights.ipynb #c040
 def save_pretrained(
     model: PaliGemmaForConditionalGeneration, folder, processor=None
@@ -439,7 +450,7 @@ def save_pretrained(
             for name, p in model.named_parameters()
         }  # no LM head: tied
         dtype = str(state[EMBEDDING].dtype).removeprefix("torch.")
-        save_file(state, staging / SINGLE_FILE, metadata={"format": "pt"})
+        write_safetensors(state, staging / SINGLE_FILE, metadata={"format": "pt"})
         config = {**model.config.to_hf(), "dtype": dtype}
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if processor is not None:

@@ -641,3 +641,36 @@ def test_default_dtype_on_a_gpu_without_native_bf16(
     assert has_native_bf16(cuda) == (capability >= (8, 0))
     assert resolve_dtype(asked, stored, cuda) == expected
     assert resolve_dtype(None, "BF16", torch.device("cpu")) == torch.bfloat16
+
+
+def test_saved_files_share_one_mode(tmp_path):
+    """Every file of a saved model and of a saved adapter has the mode open() gives a
+    new file; safetensors' save_file alone left the weights at 0600 (seen: the two
+    .safetensors files 0600 beside 0644 files, before write_safetensors)."""
+    import os
+    import stat
+
+    from paligemma_lib.lora import LoraConfig, add_lora, save_adapter
+
+    # a fixed umask: the expected mode does not depend on the host's
+    umask = os.umask(0o022)
+    try:
+        expected = 0o666 & ~0o022
+        torch.manual_seed(0)
+        model = PaliGemmaForConditionalGeneration(tiny_config())
+        save_pretrained(model, tmp_path / "model")
+        add_lora(model, LoraConfig(r=2))
+        save_adapter(model, tmp_path / "adapter")
+        (tmp_path / "plain").write_text("")  # what open() gives
+        modes = {
+            p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode)
+            for p in tmp_path.rglob("*")
+            if p.is_file()
+        }
+    finally:
+        os.umask(umask)
+    assert (
+        "model/model.safetensors" in modes
+        and "adapter/adapter_model.safetensors" in modes
+    )
+    assert modes == dict.fromkeys(modes, expected), modes
