@@ -5,20 +5,29 @@ logits and loss (right and left padding), greedy generation past the window,
 save_pretrained/load_pretrained both ways, and LoRA training read back by PEFT."""
 
 import dataclasses
+import warnings
 
 import peft
 import pytest
 import torch
 import transformers
 from hf_reference import transformers_pair
+from PIL import Image
 from test_generation import prompts
 from test_paligemma import IMAGE, batch
 
+from paligemma_lib.__main__ import main
 from paligemma_lib.config import Gemma2TextConfig, PaliGemmaConfig, VisionConfig
 from paligemma_lib.gemma import GemmaForCausalLM
-from paligemma_lib.generation import generate
+from paligemma_lib.generation import answer, generate
 from paligemma_lib.lora import LoraConfig, add_lora, save_adapter
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
+from paligemma_lib.processing import (
+    GemmaTokenizer,
+    PaliGemmaProcessor,
+    default_tokenizer_path,
+    load_image,
+)
 from paligemma_lib.weights import load_pretrained, save_pretrained
 
 # float32 on both sides, the same operations in the same order except the kernels'
@@ -324,3 +333,33 @@ def test_text_only_decoder_equals_transformers_gemma2_for_causal_lm():
         b = theirs(input_ids=ids, attention_mask=mask).logits
     # TOL: see above (one decoder, no vision tower)
     torch.testing.assert_close(a[mask.bool()], b[mask.bool()], rtol=TOL, atol=TOL)
+
+
+def test_a_transformers_folder_answers_through_the_cli(tmp_path, capsys):
+    "transformers' save_pretrained of a PaliGemma 2, plus a processor: the CLI answers"
+    tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
+    small = CONFIGS["mqa_27b_scalar"]
+    config = dataclasses.replace(
+        small,
+        text=dataclasses.replace(small.text, vocab_size=len(tokenizer)),
+        image_token_index=tokenizer.image_token_id,
+    )
+    _, theirs = pair(config)
+    theirs.save_pretrained(tmp_path / "model")
+    PaliGemmaProcessor(
+        tokenizer, image_size=28, num_image_tokens=config.num_image_tokens
+    ).save_pretrained(tmp_path / "model")
+    Image.new("RGB", (64, 48), "teal").save(tmp_path / "image.png")
+    folder, image_file = tmp_path / "model", tmp_path / "image.png"
+    args = ["generate", "--model", folder, "--image", image_file]
+    args += ["--prompt", "caption en", "--max-new-tokens", "12", "--dtype", "fp32"]
+    assert main([str(a) for a in args]) == 0
+    printed = capsys.readouterr().out
+    model = load_pretrained(tmp_path / "model", dtype="fp32")
+    assert model.config == config
+    processor = PaliGemmaProcessor.from_pretrained(tmp_path / "model")
+    image = load_image(tmp_path / "image.png")
+    with warnings.catch_warnings():  # a random model's answer may be cut off
+        warnings.simplefilter("ignore")
+        expected = answer(model, processor, image, "caption en", max_new_tokens=12)
+    assert printed.strip() and printed == expected + "\n"
