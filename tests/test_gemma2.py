@@ -243,6 +243,25 @@ def test_greedy_generation_past_the_window_equals_transformers(name):
         assert torch.equal(got, expected), cache
 
 
+def test_compiled_greedy_generation_past_the_window_equals_transformers():
+    "compile=True (static cache, torch.compile'd decode_step) with local layers"
+    config = CONFIGS["gqa"]
+    ours, theirs = transformers_pair(config)  # sharpened: clear maxima
+    inputs = prompts(config, [9, 2, 5], seed=2)
+    new = 16
+    with torch.no_grad():
+        their_out = theirs.generate(
+            **inputs,
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=1,
+            pad_token_id=0,
+        )
+    expected = their_out[:, inputs["input_ids"].shape[1] :]
+    got = generate(ours, **inputs, max_new_tokens=new, compile=True)
+    assert torch.equal(got, expected)
+
+
 def logits_of(model, config):
     "The logits of the real (not padding) positions of the left-padded ROWS batch"
     out, mask = forward(model, "left", config, labels=False)
