@@ -4,7 +4,8 @@
 # (and the later chapters named in the cell markers).
 
 # %% auto #0
-__all__ = ['known_fields', 'VisionConfig', 'TextConfig', 'patch_to', 'PaliGemmaConfig']
+__all__ = ['known_fields', 'VisionConfig', 'GEMMA2_FIELDS', 'TextConfig',
+           'Gemma2TextConfig', 'patch_to', 'PaliGemmaConfig']
 
 # %% ../book/01_images_to_patches.ipynb #c006
 from dataclasses import asdict, dataclass, fields
@@ -90,6 +91,13 @@ class TextConfig:
     pad_token_id: int = 0
     eos_token_id: int = 1
     bos_token_id: int = 2
+    # Gemma 2's settings: fields of Gemma2TextConfig, off (None) in Gemma 1
+    model_type = "gemma"
+    query_pre_attn_scalar = None
+    attn_logit_softcapping = None
+    final_logit_softcapping = None
+    sliding_window = None
+    layer_types = None
 
     def __post_init__(self):
         sizes = [
@@ -135,6 +143,74 @@ class TextConfig:
         "How many query heads share each key/value head, H / K"
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def post_norms(self) -> bool:
+        "Gemma 2: four RMSNorms per layer, two of them on the sublayers' outputs"
+        return self.model_type == "gemma2"
+
+    @property
+    def attention_scale(self) -> float:
+        "What the queries are multiplied by: query_pre_attn_scalar ** -0.5, else d_h's"
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding(self, layer_idx: int) -> bool:
+        "Whether layer `layer_idx` is local: it sees only the last sliding_window keys"
+        return (
+            self.sliding_window is not None
+            and self.layer_types is not None
+            and self.layer_types[layer_idx] == "sliding_attention"
+        )
+
+
+@dataclass
+class Gemma2TextConfig(TextConfig):
+    """Gemma 2 decoder settings (`text_config` with model_type "gemma2"); the defaults
+    are PaliGemma 2 3B's and transformers' Gemma2Config's"""
+
+    model_type = "gemma2"
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 26
+    num_key_value_heads: int = 4
+    query_pre_attn_scalar: float = 256  # queries times its ** -0.5 (Gemma: d_h's)
+    attn_logit_softcapping: float = 50.0  # cap * tanh(score / cap), None: off
+    final_logit_softcapping: float = 30.0  # the same on the LM head's logits
+    sliding_window: int = 4096  # how many keys a local layer's query sees
+    layer_types: list = None  # per layer "sliding_attention" or "full_attention"
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_gemma2_settings()
+
+    def _check_gemma2_settings(self):
+        "Caps, scalar and window positive (or None); layer types alternate by default"
+        for name in GEMMA2_FIELDS[:-1]:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value!r}: it must be positive, or None")
+        L = self.num_hidden_layers
+        if self.layer_types is None:
+            # transformers' Gemma2Config: layers 0, 2, 4, ... are local
+            self.layer_types = [
+                "sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(L)
+            ]
+        kinds = {"sliding_attention", "full_attention"}
+        if len(self.layer_types) != L or not set(self.layer_types) <= kinds:
+            raise ValueError(
+                f"layer_types {self.layer_types!r}: expected {L} entries (one per "
+                f"layer), each 'sliding_attention' or 'full_attention'"
+            )
+
+
+GEMMA2_FIELDS = [
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "sliding_window",
+    "layer_types",
+]
+
 # %% ../book/05_gemma_decoder.ipynb #c006b
 def patch_to(cls):
     "Decorator: attach the decorated function (or classmethod) to `cls` under its name"
@@ -149,13 +225,12 @@ def patch_to(cls):
 def _check_gemma_variant(d: dict):
     """Refuse text_config settings that change the architecture in ways this
     implementation does not support"""
-    if d.get("model_type", "gemma") != "gemma":
+    if d.get("model_type", "gemma") not in ("gemma", "gemma2"):
         raise ValueError(
             f"text_config has model_type {d['model_type']!r}; only 'gemma' (the Gemma "
-            f"of PaliGemma 1) is implemented. Gemma 2 (model_type 'gemma2', the "
-            f"language model of PaliGemma 2) is not supported: it needs attention "
-            f"logit soft-capping, query_pre_attn_scalar and sliding-window attention, "
-            f"which this model does not have"
+            f"of PaliGemma 1) and 'gemma2' (the Gemma 2 of PaliGemma 2: logit "
+            f"soft-capping, query_pre_attn_scalar, sliding-window attention) are "
+            f"implemented"
         )
     rope = d.get("rope_parameters") or {}
     if d.get("rope_scaling") or rope.get("rope_type", "default") != "default":
@@ -182,6 +257,8 @@ def from_hf(cls, d: dict) -> TextConfig:
     """From the `text_config` dict of a Hugging Face config.json, old or new spelling
     (other keys are ignored)"""
     _check_gemma_variant(d)
+    if d.get("model_type") == "gemma2":  # PaliGemma 2's decoder
+        cls = Gemma2TextConfig
     values = known_fields(cls, d)
     if d.get("hidden_activation"):
         values["hidden_act"] = d["hidden_activation"]
@@ -197,9 +274,11 @@ def to_hf(self) -> dict:
     """A `text_config` dict that transformers' GemmaConfig reads (both the 4.x and the
     5.x RoPE spelling)"""
     rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+    values = {"model_type": self.model_type, **asdict(self)}
+    if self.post_norms:  # Gemma2Config's spelling of the activation
+        values["hidden_activation"] = self.hidden_act
     return {
-        "model_type": "gemma",
-        **asdict(self),
+        **values,
         "rope_parameters": rope_parameters,
         "tie_word_embeddings": True,
     }
@@ -264,7 +343,7 @@ class PaliGemmaConfig:
         )
         text = TextConfig.from_hf(
             d.get("text_config") or {}
-        )  # refuses a model_type other than "gemma"
+        )  # "gemma" or "gemma2" (PaliGemma 2); other model types are refused
         vision = VisionConfig.from_hf(d.get("vision_config") or {})
         _check_num_image_tokens(d, vision)
         top.setdefault("projection_dim", text.hidden_size)

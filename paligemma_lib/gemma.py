@@ -3,7 +3,8 @@
 # %% auto #0
 __all__ = ['GemmaRMSNorm', 'GemmaMLP', 'rope_inv_freq', 'rotate_half',
            'apply_rotary_pos_emb', 'GemmaRotaryEmbedding', 'repeat_kv',
-           'additive_mask', 'make_causal_mask', 'GemmaAttention',
+           'additive_mask', 'make_causal_mask', 'sliding_window_allowed',
+           'soft_cap', 'softcapped_attention', 'GemmaAttention',
            'GemmaDecoderLayer', 'prepare_attention_mask',
            'default_or_checked_positions', 'GemmaModel', 'CausalLMOutput',
            'GemmaForCausalLM']
@@ -159,7 +160,33 @@ def make_causal_mask(
         allowed = allowed & padding  # [B, 1, S, S_kv]
     return additive_mask(allowed, dtype)
 
+
+def sliding_window_allowed(
+    query_length: int, key_length: int, window: int, device=None
+) -> torch.Tensor:
+    """[S, S_kv] bool: key j lies within `window` positions of query i, j > i - window,
+    the S queries being the last S of the S_kv keys (Gemma 2's local layers)"""
+    query_index = torch.arange(key_length - query_length, key_length, device=device)
+    key_index = torch.arange(key_length, device=device)
+    return key_index[None, :] > query_index[:, None] - window
+
 # %% ../book/05_gemma_decoder.ipynb #c027
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    "cap * tanh(x / cap): close to x where |x| << cap, never beyond +-cap"
+    return cap * torch.tanh(x / cap)
+
+
+def softcapped_attention(q, k, v, attention_mask, scale, cap, dropout_p=0.0):
+    """softmax(soft_cap(q k^T * scale, cap) + mask) v for q [B, H, S, d_h] and k, v
+    [B, H, S_kv, d_h]: Gemma 2's attention, capped before the mask, float32 softmax"""
+    scores = soft_cap(q @ k.transpose(-1, -2) * scale, cap)  # [B, H, S, S_kv]
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = scores.float().softmax(-1).to(q.dtype)
+    weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)
+    return weights @ v  # [B, H, S, d_h]
+
+
 class GemmaAttention(nn.Module):
     """Multi-head attention whose H query heads share K key/value heads (MQA/GQA),
     with RoPE"""
@@ -194,15 +221,15 @@ class GemmaAttention(nn.Module):
             k, v = kv_cache.update(self.layer_idx, k, v)
         _check_mask_covers_keys(attention_mask, k.shape[-2], self.layer_idx)
         groups = self.config.num_key_value_groups
-        # [B, H, S, d_h]
-        out = F.scaled_dot_product_attention(
-            q,
-            repeat_kv(k, groups),
-            repeat_kv(v, groups),
-            attn_mask=attention_mask,
-            dropout_p=self.config.attention_dropout if self.training else 0.0,
-            scale=d_h**-0.5,
-        )
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # [B, H, S_kv, d_h]
+        dropout = self.config.attention_dropout if self.training else 0.0
+        scale, cap = self.config.attention_scale, self.config.attn_logit_softcapping
+        if cap is None:  # [B, H, S, d_h]
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scale
+            )
+        else:  # Gemma 2: no fused kernel caps the scores
+            out = softcapped_attention(q, k, v, attention_mask, scale, cap, dropout)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * d_h))  # [B, S, D]
 
 
@@ -217,7 +244,8 @@ def _check_mask_covers_keys(attention_mask, num_keys: int, layer_idx: int):
 
 # %% ../book/05_gemma_decoder.ipynb #c032
 class GemmaDecoderLayer(nn.Module):
-    "Pre-norm layer: h + attention(RMSNorm(h)), then h + MLP(RMSNorm(h))"
+    """Pre-norm layer: h + attention(RMSNorm(h)), then h + MLP(RMSNorm(h)); Gemma 2
+    norms each sublayer's output too: h + RMSNorm(attention(RMSNorm(h))), ..."""
 
     def __init__(self, config: TextConfig, layer_idx: int):
         super().__init__()
@@ -225,7 +253,14 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn = GemmaAttention(config, layer_idx)
         self.mlp = GemmaMLP(D, config.intermediate_size)
         self.input_layernorm = GemmaRMSNorm(D, eps=eps)
-        self.post_attention_layernorm = GemmaRMSNorm(D, eps=eps)  # the MLP's input norm
+        # Gemma 1: the MLP's input norm. Gemma 2: the norm of the attention's output.
+        self.post_attention_layernorm = GemmaRMSNorm(D, eps=eps)
+        self.post_norms = config.post_norms
+        if self.post_norms:  # Gemma 2: the MLP's input norm and its output's norm
+            self.pre_feedforward_layernorm = GemmaRMSNorm(D, eps=eps)
+            self.post_feedforward_layernorm = GemmaRMSNorm(D, eps=eps)
+        # Gemma 2's local layers: the model hands them the sliding-window mask
+        self.is_sliding = config.is_sliding(layer_idx)
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, kv_cache=None
@@ -233,8 +268,15 @@ class GemmaDecoderLayer(nn.Module):
         "[B, S, D] -> [B, S, D]"
         normed = self.input_layernorm(hidden_states)
         attended = self.self_attn(normed, position_embeddings, attention_mask, kv_cache)
-        hidden_states = hidden_states + attended
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        if not self.post_norms:
+            hidden_states = hidden_states + attended
+            return hidden_states + self.mlp(
+                self.post_attention_layernorm(hidden_states)
+            )
+        # Gemma 2: each sublayer's output is normed before the residual add
+        hidden_states = hidden_states + self.post_attention_layernorm(attended)
+        fed = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        return hidden_states + self.post_feedforward_layernorm(fed)
 
 # %% ../book/05_gemma_decoder.ipynb #c035
 def prepare_attention_mask(
@@ -376,8 +418,11 @@ class GemmaModel(nn.Module):
         attention_mask=None,
         position_ids=None,
         kv_cache=None,
+        sliding_attention_mask=None,
     ):
-        "-> the final hidden states [B, S, D]"
+        """-> the final hidden states [B, S, D]. Gemma 2's local layers take
+        `sliding_attention_mask` (as `attention_mask`), or else the mask with the keys
+        outside the window blocked"""
         _check_one_input(input_ids, inputs_embeds)
         if inputs_embeds is None:
             h = self.embed(input_ids)  # [B, S, D]
@@ -390,9 +435,23 @@ class GemmaModel(nn.Module):
         positions = default_or_checked_positions(position_ids, B, S, past, h.device)
         mask = prepare_attention_mask(attention_mask, B, S, past, h.dtype, h.device)
         cos_sin = self.rotary_emb(positions, h.dtype)  # shared by all layers
+        sliding = self._sliding_mask(mask, sliding_attention_mask, past)
         for layer in self.layers:
-            h = layer(h, cos_sin, mask, kv_cache)
+            h = layer(h, cos_sin, sliding if layer.is_sliding else mask, kv_cache)
         return self.norm(h)  # [B, S, D]
+
+    def _sliding_mask(self, mask, sliding_attention_mask, past: int):
+        "The additive mask of the local layers (None when there are none)"
+        window = self.config.sliding_window
+        if not any(layer.is_sliding for layer in self.layers):
+            return None
+        B, _, S, _ = mask.shape
+        if sliding_attention_mask is not None:
+            return prepare_attention_mask(
+                sliding_attention_mask, B, S, past, mask.dtype, mask.device
+            )
+        near = sliding_window_allowed(S, mask.shape[-1], window, mask.device)
+        return mask.masked_fill(~near, torch.finfo(mask.dtype).min)
 
 # %% ../book/05_gemma_decoder.ipynb #c038
 @dataclass
@@ -445,4 +504,11 @@ class GemmaForCausalLM(nn.Module):
         hidden_states = self.model(
             input_ids, inputs_embeds, attention_mask, position_ids, kv_cache
         )
-        return CausalLMOutput(logits=self.lm_head(hidden_states), kv_cache=kv_cache)
+        logits = self.compute_logits(hidden_states)  # [B, S, V]
+        return CausalLMOutput(logits=logits, kv_cache=kv_cache)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        "Final hidden states [..., D] -> logits [..., V]: the LM head, Gemma 2's cap"
+        logits = self.lm_head(hidden_states)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else soft_cap(logits, cap)

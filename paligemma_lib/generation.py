@@ -60,11 +60,16 @@ def decode_step(
     hidden = decoder.embed_tokens(token[:, None]) * scale  # [B, 1, D]
     allowed = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, max_length]
     mask = additive_mask(allowed, dtype)
+    sliding, window = mask, decoder.config.sliding_window
+    if window is not None:  # Gemma 2's local layers: the last `window` keys only
+        keys = torch.arange(allowed.shape[-1], device=allowed.device)
+        near = keys > kv_cache.cache_position[-1] - window  # [max_length]
+        sliding = additive_mask(allowed & near, dtype)
     cos_sin = decoder.rotary_emb(position_ids, dtype)
     for layer in decoder.layers:
-        hidden = layer(hidden, cos_sin, mask, kv_cache)
+        hidden = layer(hidden, cos_sin, sliding if layer.is_sliding else mask, kv_cache)
     hidden = decoder.norm(hidden[:, -1])  # [B, D]
-    return model.language_model.lm_head(hidden)  # [B, V]
+    return model.language_model.compute_logits(hidden)  # [B, V], Gemma 2 capped
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c023
 def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -74,16 +74,29 @@ def merge_image_features(
 
 # %% ../book/07_paligemma.ipynb #c017
 def make_prefix_lm_mask(
-    attention_mask: torch.Tensor, token_type_ids: torch.Tensor, num_queries: int = None
+    attention_mask: torch.Tensor,
+    token_type_ids: torch.Tensor,
+    num_queries: int = None,
+    sliding_window: int = None,
 ) -> torch.Tensor:
-    "[B, num_queries, S] bool, True where query i may attend to key j (prefix-LM rule)"
+    """[B, num_queries, S] bool, True where query i may attend to key j (prefix-LM
+    rule); with `sliding_window` (Gemma 2's local layers, as transformers has them)
+    also j > i - sliding_window, unless both are in the prefix"""
     block = token_type_ids.long().cumsum(-1)  # [B, S]: 0 prefix, k for suffix token k
     valid = attention_mask.bool()  # [B, S]
     num_queries = block.shape[1] if num_queries is None else num_queries
     query_block = block[:, -num_queries:]  # [B, num_queries]
     query_valid = valid[:, -num_queries:]  # [B, num_queries]
     allowed = block[:, None, :] <= query_block[:, :, None]  # [B, num_queries, S]
-    return allowed & valid[:, None, :] & query_valid[:, :, None]
+    allowed = allowed & valid[:, None, :] & query_valid[:, :, None]
+    if sliding_window is None:
+        return allowed
+    S = block.shape[1]
+    query_index = torch.arange(S - num_queries, S, device=block.device)
+    key_index = torch.arange(S, device=block.device)
+    near = key_index[None, :] > query_index[:, None] - sliding_window  # [nq, S]
+    both_prefix = (block[:, None, :] == 0) & (query_block[:, :, None] == 0)
+    return allowed & (near[None] | both_prefix)
 
 # %% ../book/07_paligemma.ipynb #c024
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -178,14 +191,19 @@ class PaliGemmaForConditionalGeneration(nn.Module):
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)[:, -S:]  # [B, S]
         allowed = make_prefix_lm_mask(attention_mask, token_type_ids, num_queries=S)
+        sliding, window = None, self.config.text.sliding_window
+        if window is not None:  # Gemma 2's local layers
+            near = make_prefix_lm_mask(attention_mask, token_type_ids, S, window)
+            sliding = additive_mask(near[:, None], embeds.dtype)
         hidden_states = self.language_model.model(
             inputs_embeds=embeds,
             attention_mask=additive_mask(allowed[:, None], embeds.dtype),
             position_ids=position_ids,
             kv_cache=kv_cache,
-        )  # [B, S, D]; the mask is [B, 1, S, past + S]
-        # [B, S, V], or [B, logits_to_keep, V]
-        logits = self.language_model.lm_head(hidden_states[:, -logits_to_keep:])
+            sliding_attention_mask=sliding,
+        )  # [B, S, D]; the masks are [B, 1, S, past + S]
+        # [B, S, V], or [B, logits_to_keep, V]; Gemma 2 caps them
+        logits = self.language_model.compute_logits(hidden_states[:, -logits_to_keep:])
         loss = None
         if labels is not None:
             _check_all_logits(logits.shape[1], S)

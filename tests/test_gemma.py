@@ -617,7 +617,11 @@ def test_text_config_accepts_zero_layers():
 
 
 @pytest.mark.parametrize(
-    "text_config", [Gemma2Config().to_dict(), {"model_type": "gemma3_text"}]
+    "text_config",
+    [
+        {**Gemma2Config().to_dict(), "model_type": "gemma3_text"},
+        {"model_type": "gemma3_text"},
+    ],
 )
 def test_text_config_refuses_other_model_types_naming_gemma_2(text_config):
     with pytest.raises(ValueError) as error:

@@ -7,7 +7,12 @@ from hf_reference import transformers_name, transformers_pair
 from torch import nn
 from transformers.models.paligemma import modeling_paligemma
 
-from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
+from paligemma_lib.config import (
+    Gemma2TextConfig,
+    PaliGemmaConfig,
+    TextConfig,
+    VisionConfig,
+)
 from paligemma_lib.gemma import additive_mask
 from paligemma_lib.paligemma import (
     PaliGemmaForConditionalGeneration,
@@ -145,12 +150,28 @@ def test_config_num_image_tokens_must_follow_from_the_vision_sizes(where):
         PaliGemmaConfig.from_hf(hf)
 
 
-def test_config_refuses_gemma2():
+def test_config_reads_gemma2_and_refuses_other_model_types():
     hf = tiny_config().to_hf()
-    with pytest.raises(ValueError, match="gemma2"):
-        PaliGemmaConfig.from_hf(
-            {**hf, "text_config": {**hf["text_config"], "model_type": "gemma2"}}
-        )
+    text = {**hf["text_config"], "model_type": "gemma2"}
+    config = PaliGemmaConfig.from_hf({**hf, "text_config": text})
+    # what config.json leaves out takes transformers' Gemma2Config defaults
+    assert isinstance(config.text, Gemma2TextConfig) and config.text.post_norms
+    assert config.text.query_pre_attn_scalar == 256
+    assert config.text.attn_logit_softcapping == 50.0
+    assert config.text.final_logit_softcapping == 30.0
+    assert config.text.sliding_window == 4096
+    assert config.text.layer_types == ["sliding_attention", "full_attention"]
+    assert PaliGemmaConfig.from_hf(config.to_hf()) == config
+    # an explicit null turns a cap off, as in transformers
+    off = PaliGemmaConfig.from_hf(
+        {**hf, "text_config": {**text, "attn_logit_softcapping": None}}
+    )
+    assert off.text.attn_logit_softcapping is None
+    for other in ["gemma3_text", "llama"]:
+        with pytest.raises(ValueError, match=f"model_type '{other}'"):
+            PaliGemmaConfig.from_hf(
+                {**hf, "text_config": {**hf["text_config"], "model_type": other}}
+            )
 
 
 def test_full_model_names_and_parameter_count_match_transformers_on_meta():
