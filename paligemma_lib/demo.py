@@ -21,7 +21,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from .data import make_example
-from .gemma import apply_rotary_pos_emb, repeat_kv
+from .gemma import apply_rotary_pos_emb, repeat_kv, soft_cap
 from .generation import generate
 from .lora import lora_modules
 from .paligemma import make_prefix_lm_mask
@@ -236,7 +236,8 @@ def attention_inputs(model, batch) -> list[dict]:
 
 @torch.no_grad()
 def attention_probs(attn, hidden, cos_sin, allowed):
-    "GemmaAttention's probabilities [B, H, S, S] and values [B, H, S, d_h], explicitly"
+    """GemmaAttention's probabilities [B, H, S, S] and values [B, H, S, d_h],
+    explicitly: its query scale, and Gemma 2's score cap where the config has one"""
     B, S, _ = hidden.shape
     H, K, d_h = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q = attn.q_proj(hidden).view(B, S, H, d_h).transpose(1, 2)  # [B, H, S, d_h]
@@ -244,7 +245,10 @@ def attention_probs(attn, hidden, cos_sin, allowed):
     v = attn.v_proj(hidden).view(B, S, K, d_h).transpose(1, 2)  # [B, K, S, d_h]
     q, k = apply_rotary_pos_emb(q, k, *cos_sin)
     k, v = repeat_kv(k, H // K), repeat_kv(v, H // K)  # [B, H, S, d_h]
-    scores = q.float() @ k.float().transpose(-1, -2) * d_h**-0.5  # [B, H, S, S]
+    scale, cap = attn.config.attention_scale, attn.config.attn_logit_softcapping
+    scores = q.float() @ k.float().transpose(-1, -2) * scale  # [B, H, S, S]
+    if cap is not None:  # PaliGemma 2
+        scores = soft_cap(scores, cap)
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     return scores.softmax(-1), v.float()
 
@@ -277,12 +281,20 @@ def answer_attention(model, processor, image, prompt: str, answer_ids: list[int]
     queries = torch.arange(S - 1, S - 1 + T)  # position S-1+t emits answer token t
     is_image = batch["input_ids"][0] == processor.image_token_id  # [S + T]
     allowed = make_prefix_lm_mask(batch["attention_mask"], batch["token_type_ids"])
+    local = make_prefix_lm_mask(  # PaliGemma 2's local layers: the window too
+        batch["attention_mask"],
+        batch["token_type_ids"],
+        sliding_window=model.config.text.sliding_window,
+    )
     side = model.config.vision.image_size // model.config.vision.patch_size
     layers = model.language_model.model.layers
     maps = []
     for layer, store in zip(layers, attention_inputs(model, batch)):
         probs, _ = attention_probs(
-            layer.self_attn, store["hidden"], store["cos_sin"], allowed
+            layer.self_attn,
+            store["hidden"],
+            store["cos_sin"],
+            local if layer.is_sliding else allowed,
         )  # [1, H, S + T, S + T]
         on_image = probs[0][:, queries][..., is_image]  # [H, T, side * side]
         maps.append(on_image.transpose(0, 1).reshape(T, -1, side, side))

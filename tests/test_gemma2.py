@@ -382,3 +382,40 @@ def test_a_transformers_folder_answers_through_the_cli(tmp_path, capsys):
         warnings.simplefilter("ignore")
         expected = answer(model, processor, image, "caption en", max_new_tokens=12)
     assert printed.strip() and printed == expected + "\n"
+
+
+def test_the_demos_attention_maps_follow_gemma2():
+    """The demo's explicit attention (paligemma_lib.demo, chapter 13) reproduces each
+    layer's attention output on PaliGemma 2: its query scale, its score cap, and the
+    window of the local layers. Seen to catch: the maps without the cap or with the
+    global mask on local layers (both differ from the layer's output by far more)."""
+    from paligemma_lib.demo import attention_inputs, attention_probs
+    from paligemma_lib.paligemma import make_prefix_lm_mask
+
+    config = CONFIGS["gqa"]
+    ours, _ = pair(config)
+    ids, mask, types, _ = batch(config.num_image_tokens, [(9, 8)])
+    size = config.vision.image_size
+    pixels = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1))
+    inputs = {
+        "input_ids": ids,
+        "pixel_values": pixels,
+        "attention_mask": mask,
+        "token_type_ids": types,
+    }
+    full = make_prefix_lm_mask(mask, types)
+    local = make_prefix_lm_mask(mask, types, sliding_window=config.text.sliding_window)
+    assert not torch.equal(full, local)  # the window blocks something here
+    layers = ours.language_model.model.layers
+    assert {layer.is_sliding for layer in layers} == {True, False}
+    for layer, store in zip(layers, attention_inputs(ours, inputs)):
+        allowed = local if layer.is_sliding else full
+        assert torch.equal(store["mask"] == 0, allowed[:, None])  # the model's mask
+        probs, v = attention_probs(
+            layer.self_attn, store["hidden"], store["cos_sin"], allowed
+        )
+        B, H, S, d_h = v.shape
+        output = (probs @ v).transpose(1, 2).reshape(B, S, H * d_h)
+        # float32 both sides, the same formula with reductions over S (< 40) keys and
+        # d_h (16) in other orders: ~40 x 2^-24 relative; TOL (2e-4) is far above
+        torch.testing.assert_close(output, store["output"], rtol=TOL, atol=TOL)
