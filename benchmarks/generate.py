@@ -102,7 +102,12 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_reference import ours_from_transformers_state, sharpen  # noqa: E402
 
-from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig  # noqa: E402
+from paligemma_lib.config import (  # noqa: E402
+    Gemma2TextConfig,
+    PaliGemmaConfig,
+    TextConfig,
+    VisionConfig,
+)
 from paligemma_lib.generation import generate  # noqa: E402
 
 NEW_TOKENS = 32
@@ -130,6 +135,13 @@ CONFIGS = {
     ),
     "3B widths and vocab, 2+2 layers @224px": PaliGemmaConfig(
         vision=VisionConfig(num_hidden_layers=2), text=TextConfig(num_hidden_layers=2)
+    ),
+    # PaliGemma 2 3B: Gemma 2 2B's widths, caps, query scalar and window; a local and a
+    # global layer
+    "PaliGemma 2 3B widths and vocab, 2+2 layers @224px": PaliGemmaConfig(
+        vision=VisionConfig(num_hidden_layers=2),
+        text=Gemma2TextConfig(num_hidden_layers=2),
+        projection_dim=2304,
     ),
 }
 
@@ -236,9 +248,15 @@ def compare(ours, theirs, inputs, repeats, extras):
         runs["ours, no cache"] = lambda: run_ours(ours, inputs, cache="none")
     reference = run_ours(ours, inputs)
     same, warm_up = {}, {}
-    for name, fn in runs.items():  # the warm-up
+    for name, fn in list(runs.items()):  # the warm-up
         start = time.perf_counter()
-        same[name] = torch.equal(fn(), reference)
+        try:
+            same[name] = torch.equal(fn(), reference)
+        except Exception as e:  # transformers 5.23's static cache on PaliGemma 2
+            same[name] = f"fails: {type(e).__name__}: {e}"  # recorded, not timed
+            print(f"  {name} left out: it {same[name]}", flush=True)
+            del runs[name]
+            continue
         warm_up[name] = time.perf_counter() - start
     device = inputs["input_ids"].device
     times = {name: [] for name in runs}
@@ -260,7 +278,7 @@ def keep_cores_busy(processes: int):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["mid", "3b"], default="mid")
+    parser.add_argument("--only", choices=["mid", "3b", "pg2"], default="mid")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (bfloat16)")
@@ -291,7 +309,7 @@ def main():
         "repeats": args.repeats,
         "rows": [],
     }
-    index = ("mid", "3b").index(args.only)
+    index = ("mid", "3b", "pg2").index(args.only)
     name, config = list(CONFIGS.items())[index]
     with tempfile.TemporaryDirectory() as folder:
         ours, theirs = build(config, folder)
@@ -314,11 +332,12 @@ def main():
             }
             results["rows"].append(row)
             print(f"{name} | batch {batch_size}", flush=True)
+            static = rate.get("transformers static compiled", float("nan"))
             for k, v in rate.items():
                 print(
                     f"  {k:30} {v:8.1f} tok/s | vs transformers "
                     f"{v / rate['transformers']:5.2f}x | vs transformers static "
-                    f"compiled {v / rate['transformers static compiled']:5.2f}x | "
+                    f"compiled {v / static:5.2f}x | "
                     f"warm-up {warm_up[k]:5.1f} s | same tokens {same[k]}",
                     flush=True,
                 )

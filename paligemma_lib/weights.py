@@ -514,11 +514,17 @@ def cached_snapshots(cache: Path, pattern: str = "models--google--paligemma-3b-*
 
 
 def find_real_checkpoint(variable: str = "PALIGEMMA_WEIGHTS") -> Path | None:
-    """The folder named by $PALIGEMMA_WEIGHTS, else a google/paligemma-3b-* snapshot in
-    the Hugging Face cache, else None"""
+    """The folder named by $PALIGEMMA_WEIGHTS, else a snapshot in the Hugging Face
+    cache: google/paligemma-3b-*, then google/paligemma2-3b-*, then any other
+    google/paligemma2-* (10B, 28B); else None"""
     if os.environ.get(variable):
         folder = Path(os.environ[variable]).expanduser()
         checkpoint_files(folder)  # a clear error now if it is not a checkpoint
         return folder
-    snapshots = cached_snapshots(hub_cache())
+    patterns = ["paligemma-3b-*", "paligemma2-3b-*", "paligemma2-*"]  # smallest first
+    snapshots = [
+        snapshot
+        for pattern in patterns
+        for snapshot in cached_snapshots(hub_cache(), f"models--google--{pattern}")
+    ]
     return snapshots[0] if snapshots else None

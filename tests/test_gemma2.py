@@ -419,3 +419,143 @@ def test_the_demos_attention_maps_follow_gemma2():
         # float32 both sides, the same formula with reductions over S (< 40) keys and
         # d_h (16) in other orders: ~40 x 2^-24 relative; TOL (2e-4) is far above
         torch.testing.assert_close(output, store["output"], rtol=TOL, atol=TOL)
+
+
+def with_tokenizer(config, tokenizer):
+    "`config` with the vocabulary and image token of `tokenizer` (the shipped one)"
+    return dataclasses.replace(
+        config,
+        text=dataclasses.replace(config.text, vocab_size=len(tokenizer)),
+        image_token_index=tokenizer.image_token_id,
+    )
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_training_loop_trains_a_paligemma2_and_its_checkpoint_loads(tmp_path, lora):
+    """paligemma_lib.train's `train` (chapter 11b) on a tiny PaliGemma 2, on chapter
+    11b's toy task: the loss falls, and the checkpoint it writes gives the trained
+    model's logits: the full model through load_pretrained, the adapter through PEFT."""
+    from test_train import DATA, PROCESSOR, SMALL, TOKENIZER, collate
+
+    from paligemma_lib.train import latest_checkpoint, train
+
+    config = with_tokenizer(CONFIGS["gqa"], TOKENIZER)
+    assert PROCESSOR.num_image_tokens == config.num_image_tokens
+    ours, theirs = transformers_pair(config, factor=1.0)  # the same random weights
+    if lora:
+        torch.manual_seed(0)
+        add_lora(ours, LoraConfig(r=4, alpha=8))
+    run = SMALL  # chapter 11b's short run: 6 steps of 4 examples
+    history = train(ours, DATA, collate, run, out_dir=tmp_path, progress=False)
+    losses = history["loss"]
+    assert len(losses) == run.steps
+    # it learns the toy task: from ~log(vocab) = 7.5, the last two steps' mean lower by
+    # 5% (the batches' own spread at the starting weights is ~2%); the adapter on a
+    # random base falls slowest (to ~6.8 here)
+    assert sum(losses[-2:]) / 2 < 0.95 * losses[0]
+    inputs = collate([DATA[i] for i in range(4)])
+    inputs = {k: inputs[k] for k in inputs.keys() if k != "labels"}
+    real = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        expected = ours.eval()(**inputs).logits[real]
+    folder = latest_checkpoint(tmp_path)
+    assert folder.name.endswith(str(run.steps))
+    if lora:
+        theirs = peft.PeftModel.from_pretrained(theirs, folder).eval()
+        with torch.no_grad():
+            got = theirs(**inputs).logits[real]
+        # TOL: see above; the adapter adds one product of width r = 4
+        torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
+    else:
+        loaded = load_pretrained(folder)
+        assert loaded.config == config
+        with torch.no_grad():
+            got = loaded(**inputs).logits[real]
+        # bit for bit: the same weights in the same model on the same kernels
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def saved_with_processor(folder):
+    """A tiny PaliGemma 2 (the "gqa" sizes, the shipped tokenizer's vocabulary) saved
+    by transformers with our processor: a model folder as the demo serves one. Returns
+    our model and processor loaded from it, as paligemma_lib.app.serve loads them."""
+    tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
+    config = with_tokenizer(CONFIGS["gqa"], tokenizer)
+    _, theirs = pair(config)
+    theirs.save_pretrained(folder)
+    PaliGemmaProcessor(
+        tokenizer, image_size=28, num_image_tokens=config.num_image_tokens
+    ).save_pretrained(folder)
+    model = load_pretrained(folder)
+    assert model.config == config
+    return model, PaliGemmaProcessor.from_pretrained(folder)
+
+
+DEMO_TEXT = {"question": "what colour is it?", "detect": "square"}  # typed by a user
+
+
+def test_the_demo_answers_each_task_from_a_paligemma2_folder(tmp_path):
+    """The demo's functions (chapter 13) on a PaliGemma 2 folder: each task's answer
+    is `answer()`'s; the attention maps of every layer, local and global, are
+    probabilities, and the local layers' window shows in them"""
+    from paligemma_lib.demo import TASK_PROMPTS, answer_attention, run_task
+
+    model, processor = saved_with_processor(tmp_path)
+    config = model.config
+    image = Image.new("RGB", (64, 48), "teal")
+    typed = DEMO_TEXT
+    n = 8  # answers that outgrow the window (5): `hidden.any()` below
+    for task in TASK_PROMPTS:
+        result = run_task(model, processor, image, task, typed.get(task, ""), n)
+        with warnings.catch_warnings():  # a random model's answer may be cut off
+            warnings.simplefilter("ignore")
+            expected = answer(model, processor, image, result.prompt, max_new_tokens=n)
+        assert result.text == expected, task
+        assert result.token_ids, task  # an answer to draw attention maps for
+        maps = answer_attention(
+            model, processor, image, result.prompt, result.token_ids
+        )
+        side = config.vision.image_size // config.vision.patch_size
+        layers, heads = config.text.num_hidden_layers, config.text.num_attention_heads
+        assert maps.shape == (len(result.token_ids), layers, heads, side, side)
+        on_image = maps.sum((-1, -2))  # [T, L, H]: the share each head gives the image
+        # float32 softmax: its probabilities sum to 1 within ~S (< 30) roundings of
+        # 2^-24, so the image's share is <= 1 + 1e-5
+        assert (on_image <= 1 + 1e-5).all(), task
+        # answer token t is emitted at position S - 1 + t: the prompt's last token
+        # (prefix: it sees the whole image) for t = 0, suffix tokens after it. A local
+        # layer hides the image (positions 0 .. N - 1) from a suffix position q once
+        # q - (N - 1) >= window; a global layer never does (and no allowed key's
+        # probability underflows to 0: the cap 1.0 keeps every score in [-1, 1])
+        S = len(processor([image], [result.prompt]).input_ids[0])
+        N, window = config.num_image_tokens, config.text.sliding_window
+        q = S - 1 + torch.arange(len(result.token_ids))
+        hidden = (q > S - 1) & (q - (N - 1) >= window)  # [T]
+        assert hidden.any(), task  # the window is seen at work
+        for layer, kind in enumerate(config.text.layer_types):
+            sees = on_image[:, layer] > 0  # [T, H]
+            if kind == "sliding_attention":
+                assert torch.equal(sees, ~hidden[:, None].expand_as(sees)), task
+            else:
+                assert sees.all(), task
+
+
+def test_the_demo_page_runs_each_task_on_a_paligemma2_folder(tmp_path):
+    "The page's Run handler (paligemma_lib.app.build_app), called as Gradio calls it"
+    pytest.importorskip("gradio", reason="the demo extra: pip install '.[demo]'")
+    from paligemma_lib.app import NO_ADAPTER, build_app
+    from paligemma_lib.demo import TASK_PROMPTS, run_task
+
+    model, processor = saved_with_processor(tmp_path)
+    config = model.config
+    run = {f.name: f for f in build_app(model, processor).fns.values()}["on_run"]
+    image = Image.new("RGB", (64, 48), "teal")
+    typed = DEMO_TEXT
+    settings = ("greedy", 1.0, 0, 1.0, 0, 8)  # decode, temperature, k, p, seed, n
+    for task in TASK_PROMPTS:
+        values = run.fn(image, task, typed.get(task, ""), NO_ADAPTER, *settings)
+        assert len(values) == len(run.outputs), task
+        result = run_task(model, processor, image, task, typed.get(task, ""), 8)
+        assert values[0] == result.text, task
+        maps = values[5]  # [T, L, side, side]: the heads' mean per layer
+        assert maps.shape[:2] == (len(result.token_ids), config.text.num_hidden_layers)

@@ -674,3 +674,54 @@ def test_saved_files_share_one_mode(tmp_path):
         and "adapter/adapter_model.safetensors" in modes
     )
     assert modes == dict.fromkeys(modes, expected), modes
+
+
+def test_finder_takes_paligemma2_snapshots_and_the_comparison_runs_on_one(
+    tmp_path, monkeypatch
+):
+    """find_real_checkpoint also finds google/paligemma2-* downloads (3B first), after
+    PaliGemma 1's 3B; the chapter's comparison cell runs on a PaliGemma 2 snapshot"""
+    from test_gemma2 import CONFIGS, with_tokenizer
+
+    from paligemma_lib.processing import (
+        GemmaTokenizer,
+        PaliGemmaProcessor,
+        default_tokenizer_path,
+    )
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("PALIGEMMA_WEIGHTS", raising=False)
+    tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
+    config = with_tokenizer(CONFIGS["gqa"], tokenizer)  # Gemma 2, window 5
+    torch.manual_seed(0)
+    model = transformers.PaliGemmaForConditionalGeneration(
+        transformers.PaliGemmaConfig(**config.to_hf())
+    ).eval()
+    snapshots = {}
+    for name in ("paligemma2-10b-pt-224", "paligemma2-3b-mix-448"):
+        repo = cache / f"models--google--{name}"
+        snapshots[name] = repo / "snapshots" / ("3" * 40)
+        model.save_pretrained(snapshots[name])
+        PaliGemmaProcessor(
+            tokenizer, image_size=28, num_image_tokens=config.num_image_tokens
+        ).save_pretrained(snapshots[name])
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("3" * 40)
+    assert find_real_checkpoint() == snapshots["paligemma2-3b-mix-448"]  # 3B first
+    (snapshots["paligemma2-3b-mix-448"] / "tokenizer.model").unlink()  # incomplete
+    assert find_real_checkpoint() == snapshots["paligemma2-10b-pt-224"]
+    paligemma_1 = make_hub_cache(cache)
+    assert find_real_checkpoint() == paligemma_1["bfloat16"]  # PaliGemma 1's 3B first
+
+    folder = snapshots["paligemma2-10b-pt-224"]
+    hf = json.loads((folder / "config.json").read_text())
+    assert hf["text_config"]["model_type"] == "gemma2"
+    namespace = {}
+    exec(chapter_cell("c046c"), namespace)  # the chapter's comparison, as it is
+    ours, theirs, our_tokens, their_tokens = namespace["compare_with_transformers"](
+        folder, max_new_tokens=4
+    )
+    # float32 at full size: as the chapter's TOLERANCE (cell c046c) says
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert torch.equal(our_tokens, their_tokens) and our_tokens.shape[0] == 2
