@@ -8,7 +8,9 @@ in tokens/s, each against transformers eager and against transformers with its s
 cache, compiled (`cache_implementation="static"`, what a user wanting speed picks).
 The ways: ours (eager, static cache), ours compiled (`generate(compile=True)`),
 transformers, transformers static compiled; for the mid config also ours with
-`decoding_linears=True` and ours without a cache. Results go to
+`decoding_linears=True`, ours without a cache, and ours with int8 decoder weights
+(`quantize_int8`, chapter 8.1; eager, static cache: its tokens may differ from ours, as
+its logits do, and "same tokens" says whether they did). Results go to
 benchmarks/results/<device>-<config>[-busyN]-<date>.json. Run from the repository root:
 
     python benchmarks/generate.py                 # mid config, batch 1 and 8, CPU
@@ -55,6 +57,14 @@ while on the quiet one it wins at batch 8 (1.41x ours eager) and ties at batch 1
 GPU, benchmarks/gpu.py measures PaliGemma-3B (its JSON is in benchmarks/results/), and
 benchmarks/decode_gap.py where a compiled step's time goes.
 
+int8 decoder weights (`ours, int8`, chapter 8.1), 2026-11-23, on a busy machine (load
+average about 8 on the 2 cores, from other jobs; the full `--batches 1 --repeats 3` run
+did not finish its warm-up in 8 minutes), `--batches 1 --repeats 3 --ways ours "ours,
+int8"` (benchmarks/results/cpu-mid-20261123-1715.json): ours 9.3 tok/s, ours int8 3.6
+tok/s (0.39x). Eager int8 is slower on the CPU: `q.to(x.dtype)` writes a float32 copy of
+each weight at every step and reads it again, more traffic than the float32 weight
+alone. Its tokens differ from ours here (random weights, 32 tokens), as its logits do.
+
 Earlier measurements (before the static cache and compile), for the record:
 
 Measured on the 2-core CPU of the book's build machine (torch 2.13.0, transformers
@@ -86,7 +96,9 @@ machine.
 
 import argparse
 import atexit
+import copy
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -109,6 +121,7 @@ from paligemma_lib.config import (  # noqa: E402
     VisionConfig,
 )
 from paligemma_lib.generation import generate  # noqa: E402
+from paligemma_lib.quantize import quantize_int8  # noqa: E402
 
 NEW_TOKENS = 32
 CONFIGS = {
@@ -232,7 +245,14 @@ def timed(fn, device):
     return time.perf_counter() - start
 
 
-def compare(ours, theirs, inputs, repeats, extras):
+def int8_copy(ours):
+    "A copy of ours with the decoder layers' Linear weights in int8"
+    int8 = copy.deepcopy(ours)
+    quantize_int8(int8)
+    return int8
+
+
+def compare(ours, theirs, inputs, repeats, extras, ways=None):
     """Alternate the ways of generating `repeats` times after a warm-up (which compiles
     the compiled ones); median seconds per run, and whether all gave ours' tokens"""
     runs = {
@@ -246,6 +266,13 @@ def compare(ours, theirs, inputs, repeats, extras):
             ours, inputs, decoding_linears=True
         )
         runs["ours, no cache"] = lambda: run_ours(ours, inputs, cache="none")
+        ours_int8 = int8_copy(ours)
+        runs["ours, int8"] = lambda: run_ours(ours_int8, inputs)
+    if ways:  # only these (a busy machine's quick comparison)
+        unknown = sorted(set(ways) - set(runs))
+        if unknown:
+            raise SystemExit(f"--ways {unknown}: the ways are {list(runs)}")
+        runs = {name: fn for name, fn in runs.items() if name in ways}
     reference = run_ours(ours, inputs)
     same, warm_up = {}, {}
     for name, fn in list(runs.items()):  # the warm-up
@@ -285,6 +312,12 @@ def main():
     parser.add_argument(
         "--busy", type=int, default=0, help="Python loops to run beside, on the cores"
     )
+    parser.add_argument(
+        "--ways",
+        nargs="+",
+        default=None,
+        help='only these ways, e.g. --ways ours "ours, int8" (default: all)',
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -299,6 +332,7 @@ def main():
         flush=True,
     )
     results = {
+        "command": shlex.join(["python", *sys.argv]),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": str(device),
@@ -320,7 +354,7 @@ def main():
                 for k, v in prompts(config, batch_size).items()
             }
             same, warm_up, t = compare(
-                ours, theirs, inputs, args.repeats, extras=index == 0
+                ours, theirs, inputs, args.repeats, extras=index == 0, ways=args.ways
             )
             rate = {k: batch_size * NEW_TOKENS / v for k, v in t.items()}
             row = {
@@ -332,12 +366,12 @@ def main():
             }
             results["rows"].append(row)
             print(f"{name} | batch {batch_size}", flush=True)
-            static = rate.get("transformers static compiled", float("nan"))
+            bases = [b for b in ("transformers", "transformers static compiled", "ours")
+                     if b in rate]  # fmt: skip
             for k, v in rate.items():
+                against = " | ".join(f"vs {b} {v / rate[b]:5.2f}x" for b in bases)
                 print(
-                    f"  {k:30} {v:8.1f} tok/s | vs transformers "
-                    f"{v / rate['transformers']:5.2f}x | vs transformers static "
-                    f"compiled {v / static:5.2f}x | "
+                    f"  {k:30} {v:8.1f} tok/s | {against} | "
                     f"warm-up {warm_up[k]:5.1f} s | same tokens {same[k]}",
                     flush=True,
                 )

@@ -2,6 +2,7 @@
 """Command line: answer one prompt about one image; train; evaluate; the demo.
 
     python -m paligemma_lib generate --image PATH --prompt "caption en" [--model DIR]
+                                     [--quantize int8]
     python -m paligemma_lib train --config nano --out DIR --steps N [--resume]
     torchrun --nproc_per_node 2 -m paligemma_lib train ...      # DDP
     python -m paligemma_lib evaluate --world shapes --split test [--model DIR]
@@ -129,6 +130,29 @@ def adapter_folder(name_or_path) -> Path:
     return folder
 
 
+QUANTIZE_HELP = (
+    "int8: the decoder layers' Linear weights in int8 with one scale per output "
+    "channel (chapter 8.1), half their bytes; the vision tower and the tied LM head "
+    "stay as stored. Default: none, the weights as stored"
+)
+
+
+def add_quantize_argument(parser) -> None:
+    parser.add_argument(
+        "--quantize", choices=("int8",), default=None, help=QUANTIZE_HELP
+    )
+
+
+def check_quantize(args) -> None:
+    "--quantize and --adapter exclude each other: LoRA wraps float Linear layers"
+    if args.quantize is not None and args.adapter is not None:
+        raise ValueError(
+            f"--quantize {args.quantize} with --adapter: a LoRA adapter wraps float "
+            f"Linear layers, not int8 ones; leave out one of the two, or save the "
+            f"model with the adapter merged (merge_lora) and quantise that"
+        )
+
+
 def with_adapter(model, args, device):
     "The model with --adapter's LoRA weights added (unmerged), on `device`"
     if args.adapter is None:
@@ -195,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: as stored in the checkpoint",
     )
     gen.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_quantize_argument(gen)
     gen.add_argument(
         "--do-sample",
         action="store_true",
@@ -384,6 +409,7 @@ def add_evaluate_parser(commands) -> None:
         help="the longest answer generated",
     )
     ev.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_quantize_argument(ev)
     ev.add_argument(
         "--record",
         action="store_true",
@@ -726,12 +752,14 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
     if args.record:
         record_path(args.model)  # before the slow part
     check_model(args.model)
+    check_quantize(args)
     if args.adapter is not None:
         adapter_folder(args.adapter)
     processor = PaliGemmaProcessor.from_pretrained(args.model)
     data = import_data()
     device = resolve_device(args.device)
-    model = with_adapter(load_pretrained(args.model, device=device), args, device)
+    model = load_pretrained(args.model, device=device, quantize=args.quantize)
+    model = with_adapter(model, args, device)
     dataset = data.SyntheticDataset(
         worlds={args.world: 1.0}, split=args.split, size=args.limit
     )
@@ -876,11 +904,14 @@ def generate_command(args: argparse.Namespace, argv=None) -> int:
     check_image_arg(args.image)
     image = load_image(args.image)
     check_model(args.model)
+    check_quantize(args)
     if args.adapter is not None:
         adapter_folder(args.adapter)
     processor = PaliGemmaProcessor.from_pretrained(args.model)
     device = resolve_device(args.device)
-    model = load_pretrained(args.model, dtype=args.dtype, device=device)
+    model = load_pretrained(
+        args.model, dtype=args.dtype, device=device, quantize=args.quantize
+    )
     model = with_adapter(model, args, device)
     generator = (
         torch.Generator(device).manual_seed(args.seed)

@@ -2,13 +2,13 @@
 
 # %% auto #0
 __all__ = ['KEY_MAP', 'EMBEDDING', 'LM_HEAD', 'SINGLE_FILE', 'INDEX_FILE', 'DTYPES',
-           'POOLING_HEAD', 'CheckpointError', 'read_safetensors_header',
-           'our_name', 'read_checkpoint_json', 'checkpoint_files',
-           'stored_tensors', 'check_tensors', 'resolve_dtype',
-           'resolve_device', 'skip_pooling_head', 'check_tied_head',
-           'read_tensors', 'load_pretrained', 'write_safetensors',
-           'save_pretrained', 'hub_cache', 'cached_snapshots',
-           'find_real_checkpoint']
+           'POOLING_HEAD', 'QUANTIZE', 'CheckpointError',
+           'read_safetensors_header', 'our_name', 'read_checkpoint_json',
+           'checkpoint_files', 'stored_tensors', 'check_tensors',
+           'resolve_dtype', 'resolve_device', 'skip_pooling_head',
+           'check_tied_head', 'read_tensors', 'load_pretrained',
+           'write_safetensors', 'save_pretrained', 'hub_cache',
+           'cached_snapshots', 'find_real_checkpoint']
 
 # %% ../book/09_loading_real_weights.ipynb #c003
 import json
@@ -377,14 +377,23 @@ def read_tensors(
     return state
 
 
+QUANTIZE = (None, "int8")  # load_pretrained's choices
+
+
 def load_pretrained(
-    path, dtype=None, device=None, progress: bool | None = None
+    path, dtype=None, device=None, progress: bool | None = None, quantize=None
 ) -> PaliGemmaForConditionalGeneration:
     """A PaliGemma checkpoint folder (config.json + safetensors, any key spelling of
     KEY_MAP), or a shipped model's name ("nano"; a local folder of that name wins) ->
     our model, in eval mode. dtype: None (as stored; bf16 becomes fp32 on a GPU without
     native bf16), a torch.dtype or 'bf16'/'fp16'/'fp32'; device: None (cpu), 'auto' or
-    a device name"""
+    a device name; quantize: None, or "int8" for the decoder's Linear weights in int8
+    (chapter 8.1)"""
+    if quantize not in QUANTIZE:
+        raise ValueError(
+            f"quantize={quantize!r}: choose None (the weights as stored) or 'int8' "
+            f"(the decoder layers' Linear weights in int8, chapter 8.1)"
+        )
     path = resolve_model_path(path)
     files = checkpoint_files(path)
     hf_config = read_checkpoint_json(Path(path) / "config.json")
@@ -410,6 +419,10 @@ def load_pretrained(
     state[LM_HEAD] = state[EMBEDDING]
     model.load_state_dict(state, strict=True, assign=True)
     model.language_model.tie_weights()  # assign=True gave lm_head its own Parameter
+    if quantize == "int8":
+        from paligemma_lib.quantize import quantize_int8
+
+        quantize_int8(model)
     return model.eval()
 
 # %% ../book/09_loading_real_weights.ipynb #c039c
@@ -432,6 +445,13 @@ def save_pretrained(
     Everything is written into a temporary folder first, then moved in: a failure
     leaves the folder as it was. Other files in `folder` are kept."""
     folder = Path(folder)
+    int8 = [n for n, b in model.named_buffers() if n.endswith("weight_int8")]
+    if int8:  # save_pretrained writes parameters: the int8 buffers would be lost
+        raise ValueError(
+            f"the model's decoder is quantised to int8 ({len(int8)} layers, e.g. "
+            f"{int8[0]}): save the float model, and quantise when loading "
+            f"(load_pretrained(..., quantize='int8'))"
+        )
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"{folder} is a file; save_pretrained writes a folder")
     if (folder / INDEX_FILE).exists():

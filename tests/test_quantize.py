@@ -1,0 +1,216 @@
+"""int8 weight-only quantisation (chapter 8.1): the arithmetic against an explicit
+float64 computation, the error bound of one product, the state round trip, loading
+with quantize="int8", the CLI's --quantize, and what is refused."""
+
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from test_weights import tiny_config
+
+from paligemma_lib import PaliGemmaProcessor, load_pretrained, save_pretrained
+from paligemma_lib.data import SyntheticDataset
+from paligemma_lib.generation import answer, generate
+from paligemma_lib.lora import LoraConfig, add_lora
+from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
+from paligemma_lib.quantize import (
+    DECODER_LINEARS,
+    INT8_MAX,
+    Int8Linear,
+    int8_weights,
+    quantize_int8,
+)
+
+U32 = 2.0**-24  # float32's unit roundoff
+
+
+def gamma(n: int, u: float) -> float:
+    "Higham's gamma_n: the relative error bound of a sum of n products, rounding u"
+    return n * u / (1 - n * u)
+
+
+def weight(out_features=24, in_features=40, seed=0) -> torch.Tensor:
+    "Rows of very different sizes, one of them all zero"
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g)
+    w *= torch.logspace(-3, 1, out_features)[:, None]
+    w[3] = 0.0
+    return w
+
+
+def test_codes_and_scales_are_the_float64_arithmetic():
+    w = weight()
+    q, scale = int8_weights(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    w64 = w.double()
+    amax = w64.abs().amax(dim=1)
+    s_ref = torch.where(amax == 0, 1.0, amax / 127)  # the all-zero row: any scale
+    # one rounding to float32 (half an ulp) plus at most one step up (one ulp): at
+    # most 1.5 ulp, an ulp being at most 2 * U32 of the value
+    assert ((scale.double() - s_ref).abs() <= 1.5 * 2 * U32 * s_ref).all()
+    assert scale.double()[3] == 1.0 and (q[3] == 0).all()
+    q_ref = torch.round(w64 / scale.double()[:, None]).clamp(-127, 127)
+    # w / scale in float32 is off by at most |w / scale| * U32 <= 127 * U32: the codes
+    # are the float64 ones except where the float64 ratio is that close to a tie
+    ratio = w64 / scale.double()[:, None]
+    near_tie = ((ratio - ratio.floor()) - 0.5).abs() <= 127 * U32
+    assert torch.equal(q.double()[~near_tie], q_ref[~near_tie])
+    assert ((q.double() - q_ref).abs() <= 1).all()
+    assert (q.abs().amax(dim=1)[amax > 0] == INT8_MAX).all()  # the row's max uses 127
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_weight_moves_by_at_most_half_a_step(dtype):
+    w = weight().to(dtype)
+    q, scale = int8_weights(w)
+    assert scale.dtype == dtype
+    error = (q.double() * scale.double()[:, None] - w.double()).abs()  # exact in f64
+    # half a step, plus float32's rounding of w / scale (at most 127 * U32 of a step;
+    # the division runs in float32 for bf16 weights too)
+    assert (error <= scale.double()[:, None] * (0.5 + 127 * U32)).all()
+
+
+def test_forward_is_the_dequantised_product_and_within_the_bound():
+    torch.manual_seed(0)
+    linear = nn.Linear(40, 24, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(weight())
+    layer = Int8Linear.from_linear(linear)
+    x = torch.randn(5, 40)
+    with torch.no_grad():
+        y_int8, y = layer(x), linear(x)
+    q64, s64 = layer.weight_int8.double(), layer.weight_scale.double()
+    x64, w_hat = x.double(), q64 * s64[:, None]
+    reference = F.linear(x64, w_hat, linear.bias.double())  # the dequantised layer
+    n = linear.in_features
+    magnitudes = F.linear(x64.abs(), w_hat.abs(), linear.bias.double().abs())
+    # float32: n products summed (gamma_n), then the scaling and the bias (2 roundings)
+    rounding = gamma(n + 2, U32) * magnitudes
+    assert ((y_int8.double() - reference).abs() <= rounding).all()
+    # the bound of one product against the float layer: s/2 * sum|x| per output, plus
+    # the float32 rounding of both sides
+    bound = s64 / 2 * x64.abs().sum(-1, keepdim=True)
+    both = rounding + gamma(n + 1, U32) * F.linear(
+        x64.abs(), linear.weight.double().abs(), linear.bias.double().abs()
+    )
+    assert ((y_int8.double() - y.double()).abs() <= bound + both).all()
+
+
+def tiny_model(seed=0) -> PaliGemmaForConditionalGeneration:
+    torch.manual_seed(seed)
+    return PaliGemmaForConditionalGeneration(tiny_config()).eval()
+
+
+def inputs(config):
+    ids = torch.tensor([[config.image_token_index] * config.num_image_tokens + [2, 7]])
+    size = config.vision.image_size
+    return dict(
+        input_ids=ids,
+        pixel_values=torch.randn(1, 3, size, size, generator=torch.Generator()),
+        attention_mask=torch.ones_like(ids),
+        token_type_ids=torch.zeros_like(ids),
+    )
+
+
+def test_quantize_int8_replaces_the_decoder_linears_only():
+    model = tiny_model()
+    names = quantize_int8(model)
+    layers = model.config.text.num_hidden_layers
+    assert len(names) == len(DECODER_LINEARS) * layers
+    assert all(isinstance(model.get_submodule(n), Int8Linear) for n in names)
+    assert isinstance(model.multi_modal_projector.linear, nn.Linear)
+    assert not any(isinstance(m, Int8Linear) for m in model.vision_tower.modules())
+    text = model.language_model
+    assert text.lm_head.weight is text.model.embed_tokens.weight  # still tied
+    with pytest.raises(ValueError, match="already quantised"):
+        quantize_int8(model)
+
+
+def test_state_round_trip():
+    "Bit-exact on purpose: the same tensors through the same operations"
+    model, other = tiny_model(0), tiny_model(1)
+    quantize_int8(model)
+    quantize_int8(other)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    other.load_state_dict(torch.load(buffer), strict=True)
+    batch = inputs(model.config)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, other(**batch).logits)
+
+
+def test_load_pretrained_int8_is_quantize_int8_of_the_float_model(tmp_path):
+    "Bit-exact on purpose: the same weights quantised by the same function"
+    save_pretrained(tiny_model(), tmp_path)
+    loaded = load_pretrained(tmp_path, dtype="fp32", quantize="int8")
+    by_hand = load_pretrained(tmp_path, dtype="fp32")
+    quantize_int8(by_hand)
+    assert sum(isinstance(m, Int8Linear) for m in loaded.modules()) == len(
+        DECODER_LINEARS
+    ) * len(loaded.language_model.model.layers)
+    batch = inputs(loaded.config)
+    with torch.no_grad():
+        assert torch.equal(loaded(**batch).logits, by_hand(**batch).logits)
+    with pytest.raises(ValueError, match=r"quantize='int4': choose None .* or 'int8'"):
+        load_pretrained(tmp_path, quantize="int4")
+
+
+def test_compiled_generation_runs_the_int8_model():
+    "generate(compile=True) gives the eager tokens on an int8 model"
+    model = tiny_model()
+    quantize_int8(model)
+    kw = dict(inputs(model.config), max_new_tokens=3, eos_token_id=None)
+    eager = generate(model, **kw, cache="static")
+    assert torch.equal(generate(model, **kw, cache="static", compile=True), eager)
+
+
+def test_lora_is_refused_on_an_int8_model():
+    model = tiny_model()
+    quantize_int8(model)
+    with pytest.raises(ValueError, match=r"\(Int8Linear\), not an nn.Linear"):
+        add_lora(model, LoraConfig())
+    lora = tiny_model()
+    add_lora(lora, LoraConfig())
+    with pytest.raises(ValueError, match=r"merge_lora\(model\) first"):
+        quantize_int8(lora)
+
+
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "paligemma_lib", *map(str, args)],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_cli_generate_int8_on_the_nano_model(tmp_path):
+    example = SyntheticDataset("shapes", "test", task="count").example(5000)
+    example.image.save(tmp_path / "image.png")
+    args = ["generate", "--image", tmp_path / "image.png", "--prompt", example.prompt]
+    run = cli(*args, "--quantize", "int8", "--device", "cpu")
+    assert run.returncode == 0, run.stderr
+    model = load_pretrained("nano", quantize="int8")
+    expected = answer(
+        model, PaliGemmaProcessor.from_pretrained("nano"), example.image, example.prompt
+    )
+    assert run.stdout == expected + "\n" and expected.strip()
+    wrong = cli(*args, "--quantize", "int4")
+    assert wrong.returncode == 2 and "invalid choice: 'int4'" in wrong.stderr
+    with_adapter = cli(*args, "--quantize", "int8", "--adapter", "receipts")
+    assert with_adapter.returncode == 1 and "Traceback" not in with_adapter.stderr
+    assert "--quantize int8 with --adapter" in with_adapter.stderr
+
+
+def test_save_pretrained_refuses_an_int8_model(tmp_path):
+    "save_pretrained writes parameters: an int8 model's weights would be lost, silently"
+    torch.manual_seed(0)
+    model = PaliGemmaForConditionalGeneration(tiny_config()).eval()
+    quantize_int8(model)
+    with pytest.raises(ValueError, match="quantise when loading"):
+        save_pretrained(model, tmp_path / "int8")
+    assert not (tmp_path / "int8").exists()
