@@ -10,6 +10,7 @@ from hf_reference import transformers_pair
 from test_generation import model_for, prompts, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from paligemma_lib import generation
 from paligemma_lib.generation import NonFiniteLogitsError, decode_step, generate
 from paligemma_lib.kv_cache import StaticKVCache
 
@@ -138,17 +139,18 @@ def test_stopping_at_eos_needs_no_sync_per_step():
     assert not SYNCS & set(per_step(run))
 
 
-def test_a_later_non_finite_step_is_named_with_its_rows():
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_later_non_finite_step_is_named_with_its_rows(bad):
     config = tiny_config()
     model = model_for(config)
     inputs = prompts(config, [5, 2, 7], seed=1)
     calls = []
 
-    def poison(module, args, logits):  # NaN in row 1 from the third new token on
+    def poison(module, args, logits):  # row 1, one logit, from the third new token on
         calls.append(1)
         if len(calls) >= 3:
             logits = logits.clone()
-            logits[1] = float("nan")
+            logits[1, ..., 5] = bad
         return logits
 
     hook = model.language_model.lm_head.register_forward_hook(poison)
@@ -179,3 +181,58 @@ def test_decode_step_takes_the_additive_mask_as_the_2d_one():
     cache = StaticKVCache(config.text, B, L)
     with pytest.raises(ValueError, match=r"additive attention_mask .* \[B, 1, 1"):
         decode_step(model, token, positions, additive.double(), cache)
+
+
+class _LateEvent:
+    "A CUDA event that never reports done by itself: the flags arrive only on a wait"
+
+    waits = 0
+
+    def record(self):
+        pass
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        _LateEvent.waits += 1
+
+
+def test_flags_read_late_as_on_a_gpu_give_the_same_tokens_and_errors(monkeypatch):
+    "The GPU path of the flags, on the CPU: each step's flags read `max_lag` steps late"
+    config = tiny_config()
+    model = model_for(config)
+    # a row whose tokens differ (random rows tend to repeat one), left-padded
+    inputs = {k: v[1:] for k, v in prompts(config, [5, 1, 9], seed=1).items()}
+    free = generate(model, **inputs, max_new_tokens=16, eos_token_id=None).tolist()
+    stop = free[1][0]  # row 1 stops at once; row 0 at step `last`
+    assert stop in free[0][3:12], free  # (a property of this seed's model)
+    last = free[0].index(stop)  # the loop then runs 2 (max_lag) steps more, dropped
+    on_time = generate(model, **inputs, max_new_tokens=16, eos_token_id=stop)
+    assert on_time.shape == (2, last + 1)
+
+    class LateFlags(generation._StepFlags):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.cuda = True  # events, read when more than max_lag steps are pending
+
+    monkeypatch.setattr(generation, "_StepFlags", LateFlags)
+    monkeypatch.setattr(torch.cuda, "Event", _LateEvent)
+    _LateEvent.waits = 0
+    late = generate(model, **inputs, max_new_tokens=16, eos_token_id=stop)
+    assert torch.equal(late, on_time)  # the steps computed past the stop are dropped
+    # each step's flags waited for once, up to the stop (then returned at once)
+    assert _LateEvent.waits == last + 1
+    # a NaN at the third step is still named, when its flags arrive
+    calls = []
+
+    def poison(module, args, logits):
+        calls.append(1)
+        return logits * float("nan") if len(calls) == 3 else logits
+
+    hook = model.language_model.lm_head.register_forward_hook(poison)
+    try:
+        with pytest.raises(NonFiniteLogitsError, match=r"token 3 .*rows \[0, 1\]"):
+            generate(model, **inputs, max_new_tokens=12, eos_token_id=None)
+    finally:
+        hook.remove()
