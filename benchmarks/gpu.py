@@ -20,6 +20,12 @@ runs), time-boxed by a deadline for the whole run:
   bytes a step must read (the language model's weights, once per step whatever the
   batch, plus the KV cache) over the device's memory bandwidth (`--bandwidth`,
   3.35 TB/s for an H100 SXM), against the measured step.
+- eager op count: the ATen operations one eager decoding step dispatches (those that
+  run a kernel, composites decomposed, views left out: the counter of
+  tests/test_decode_ops.py), ours and transformers' default (growing cache), at each
+  batch size, and how many read a value back to the host (a wait for the GPU).
+  Launch-bound eager steps cost about this count.
+  `--op-counts-only` runs the build and this section alone (cheap, also on a CPU).
 - lora: LoRA training at PaliGemma-3B's shapes: chapter 10's default targets, r=8, the
   base in bf16, the adapters in fp32, gradient checkpointing, bf16 autocast, AdamW on
   the adapters, batch 2 of about 300 tokens (256 image tokens and a text). Peak memory
@@ -244,6 +250,32 @@ def decode_section(models, config, args, dtype, impl, batch_size):
     }
 
 
+def op_count_section(models, config, args, dtype, batch_size, short=2, long=6):
+    "ATen ops per eager decoding step: the difference of `long` and `short` tokens"
+    from test_decode_ops import SYNCS, per_step
+
+    ours, theirs = models["ours"], models["theirs"]
+    inputs = prompts(config, batch_size, args.device, dtype)
+    counts = {
+        "ours eager": per_step(partial(run_ours, ours, inputs), short, long),
+        "transformers eager": per_step(
+            partial(run_theirs, theirs, inputs, device=args.device), short, long
+        ),
+    }
+    result = {}
+    for impl, ops in counts.items():
+        result[impl] = {
+            "ops_per_step": sum(ops.values()),
+            "reads_back_per_step": sum(ops.get(op, 0) for op in SYNCS),
+            "by_op": ops,
+        }
+        log(
+            f"  {impl}, batch {batch_size}: {result[impl]['ops_per_step']:.1f} ops per "
+            f"step, {result[impl]['reads_back_per_step']:.1f} read back to the host"
+        )
+    return result
+
+
 def lora_section(config, args, dtype, seq_tokens=300, batch_size=2, steps=4):
     from paligemma_lib.lora import LoraConfig, add_lora, count_parameters
     from paligemma_lib.train import autocast, set_gradient_checkpointing
@@ -316,6 +348,11 @@ def main():
     parser.add_argument("--config", choices=["3b", "tiny"], default="3b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--op-counts-only",
+        action="store_true",
+        help="build, count the ops of an eager step, and stop (no timing)",
+    )
     parser.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s")
     parser.add_argument(
         "--budget", type=float, default=300, help="no decode section starts after it"
@@ -352,6 +389,15 @@ def main():
     models = {}
     section(sections, "build", deadline, lambda: _build(models, config, device, dtype))
     save()
+    for batch_size in BATCHES:
+        if "ours" not in models:
+            break
+        run = partial(op_count_section, models, config, args, dtype, batch_size)
+        section(sections, f"eager op count, batch {batch_size}", deadline, run)
+        save()
+    if args.op_counts_only:
+        log(f"wrote {path}")
+        return
     order = ["ours eager", "transformers eager", "ours compiled"]
     for impl in order:
         for batch_size in BATCHES:

@@ -52,24 +52,38 @@ def decode_step(
     kv_cache: StaticKVCache,
 ) -> torch.Tensor:
     """One new token per row [B] -> next-token logits [B, V]. position_ids [B, 1];
-    attention_mask [B, max_length], 1 for the keys the token may see (itself included);
-    the cache writes where `kv_cache.seek` said. Every tensor has a fixed shape."""
+    attention_mask: the keys the token may see (itself included), 2-D [B, max_length]
+    with 1 for those, or already additive [B, 1, 1, max_length] in the model's dtype
+    (0 for those: `generate` keeps it so, and no step rebuilds it); the cache writes
+    where `kv_cache.seek` said. Every tensor has a fixed shape."""
     decoder = model.language_model.model
     dtype = decoder.embed_tokens.weight.dtype
     scale = torch.tensor(decoder.config.hidden_size**0.5, dtype=dtype)
     hidden = decoder.embed_tokens(token[:, None]) * scale  # [B, 1, D]
-    allowed = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, max_length]
-    mask = additive_mask(allowed, dtype)
+    mask = _additive_step_mask(attention_mask, dtype)  # [B, 1, 1, max_length]
     sliding, window = mask, decoder.config.sliding_window
     if window is not None:  # Gemma 2's local layers: the last `window` keys only
-        keys = torch.arange(allowed.shape[-1], device=allowed.device)
-        near = keys > kv_cache.cache_position[-1] - window  # [max_length]
-        sliding = additive_mask(allowed & near, dtype)
+        keys = torch.arange(mask.shape[-1], device=mask.device)
+        far = keys <= kv_cache.cache_position[-1] - window  # [max_length]
+        sliding = mask.masked_fill(far, torch.finfo(dtype).min)
     cos_sin = decoder.rotary_emb(position_ids, dtype)
     for layer in decoder.layers:
         hidden = layer(hidden, cos_sin, sliding if layer.is_sliding else mask, kv_cache)
     hidden = decoder.norm(hidden[:, -1])  # [B, D]
     return model.language_model.compute_logits(hidden)  # [B, V], Gemma 2 capped
+
+
+def _additive_step_mask(attention_mask: torch.Tensor, dtype) -> torch.Tensor:
+    "A step's mask, 2-D (1/0) or additive, -> additive [B, 1, 1, max_length] in `dtype`"
+    if not attention_mask.is_floating_point():
+        return additive_mask(attention_mask.bool()[:, None, None, :], dtype)
+    if attention_mask.ndim != 4 or attention_mask.dtype != dtype:
+        raise ValueError(
+            f"an additive attention_mask for decode_step is [B, 1, 1, max_length] in "
+            f"the model's dtype {dtype}; got {list(attention_mask.shape)} in "
+            f"{attention_mask.dtype} (or pass the 2-D mask of 1s and 0s)"
+        )
+    return attention_mask
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c023
 def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -239,16 +253,55 @@ class NonFiniteLogitsError(ValueError):
     "The model gave NaN or infinite logits: the message names the step and the rows"
 
 
-def _check_finite(logits: torch.Tensor, step: int, done: torch.Tensor):
-    "Logits [B, V] for new token `step` (from 0) must be finite in rows not `done`"
-    finite = torch.isfinite(logits).all(-1) | done  # [B]
-    if not bool(finite.all()):
-        raise NonFiniteLogitsError(
-            f"the logits for new token {step + 1} are NaN or infinite (batch rows "
-            f"{(~finite).nonzero().flatten().tolist()}): the weights or the image hold "
-            f"NaN or inf, or float16 overflowed; check the checkpoint, or load it in "
-            f"float32 or bfloat16"
+class _StepFlags:
+    """Two flags per row and decoding step, for the host: the step's logits were finite
+    (or the row had finished), the row has finished. They are computed on the device
+    and copied to the host behind the step's work (pinned memory, no wait); the host
+    reads a step's flags once they have arrived, at most `max_lag` steps late (a CUDA
+    event says when), on the CPU at once. So no step waits for the device to finish,
+    and a loop that stops may compute up to `max_lag` steps it then drops."""
+
+    def __init__(self, batch_size: int, steps: int, device, max_lag: int = 2):
+        self.cuda, self.max_lag = torch.device(device).type == "cuda", max_lag
+        # [steps, 2, B]: (finite or finished, finished) per step, on the host
+        self.host = torch.ones(
+            (steps, 2, batch_size), dtype=torch.bool, pin_memory=self.cuda
         )
+        self.values = self.host.numpy()  # read without PyTorch: no device sync
+        self.pending = []  # (step, CUDA event or None) of copies not read yet
+
+    def record(self, step: int, finite: torch.Tensor, finished: torch.Tensor):
+        "Queue the copy of step `step`'s flags, each [B] bool on the device"
+        both = torch.stack([finite, finished])  # [2, B]
+        self.host[step].copy_(both, non_blocking=True)
+        event = torch.cuda.Event() if self.cuda else None
+        if event is not None:
+            event.record()
+        self.pending.append((step, event))
+
+    def first_stop(self, wait: bool = False):
+        """Read the flags that have arrived (all of them if `wait`, else waiting only
+        for those more than `max_lag` steps old), in step order. Raise
+        NonFiniteLogitsError at the first step with NaN or infinite logits; return the
+        first step after which every row has finished, or None"""
+        while self.pending:
+            step, event = self.pending[0]
+            if event is not None and not event.query():
+                if not wait and len(self.pending) <= self.max_lag:
+                    return None
+                event.synchronize()  # waits for an older step than the one queued
+            self.pending.pop(0)
+            finite, finished = self.values[step]  # [B] each
+            if not finite.all():
+                raise NonFiniteLogitsError(
+                    f"the logits for new token {step + 1} are NaN or infinite (batch "
+                    f"rows {(~finite).nonzero()[0].tolist()}): the weights or the "
+                    f"image hold NaN or inf, or float16 overflowed; check the "
+                    f"checkpoint, or load it in float32 or bfloat16"
+                )
+            if finished.all():
+                return step
+        return None
 
 
 def _check_greedy(do_sample, temperature, top_k, top_p):
@@ -376,6 +429,7 @@ def generate(
     )
     positions = attention_mask.sum(-1, keepdim=True)  # [B, 1]: last prompt token's
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)  # [B]
+    flags = _StepFlags(B, max_new_tokens, input_ids.device)
 
     with _decoding_linears(model) if decoding_linears else nullcontext():
         # prefill, eager (prompts differ in length), the static cache copied in after
@@ -390,19 +444,28 @@ def generate(
         ).logits[:, -1]  # [B, V]
         if cache == "static":
             kv_cache.fill(prefill_cache)
+            # [B, 1, 1, S + max_new_tokens], built once: a step writes one 0 into it
+            keys = _additive_step_mask(mask, model.language_model.lm_head.weight.dtype)
         for t in range(max_new_tokens):
-            _check_finite(logits, t, done)  # a NaN would decode as some token
+            # a NaN would decode as some token: checked by `flags`, on the host, later.
+            # x * 0 == 0 exactly when x is finite (inf * 0 and NaN * 0 are NaN): two
+            # operations, where torch.isfinite runs four
+            finite = (logits * 0 == 0).all(-1) | done  # [B]
             token = next_token(logits, do_sample, temperature, top_k, top_p, generator)
             token = token.masked_fill(done, pad_token_id)  # [B]
             ids[:, S + t] = token
             if eos_token_id is not None:
                 done = done | (token == eos_token_id)
-            if t == max_new_tokens - 1 or (eos_token_id is not None and done.all()):
+            flags.record(t, finite, done)
+            if t == max_new_tokens - 1:
                 break
+            stop = flags.first_stop()  # a step whose flags have arrived, or None
+            if stop is not None:  # every row finished at step `stop`
+                return ids[:, S : S + stop + 1]  # [B, T]
             length = S + t + 1  # tokens so far, the new one included
-            mask[:, length - 1] = 1  # the new token is a key from now on
             positions = positions + 1
             if cache == "none":  # the reference: everything again, image included
+                mask[:, length - 1] = 1  # the new token is a key from now on
                 logits = model(
                     ids[:, :length],
                     pixel_values,
@@ -411,6 +474,7 @@ def generate(
                     logits_to_keep=1,
                 ).logits[:, -1]
             elif cache == "dynamic":
+                mask[:, length - 1] = 1  # the new token is a key from now on
                 logits = model(
                     token[:, None],
                     attention_mask=mask[:, :length],
@@ -423,8 +487,10 @@ def generate(
                 if compile and token.device.type == "cuda":
                     # CUDA graphs reuse their outputs: the last logits are used up
                     torch.compiler.cudagraph_mark_step_begin()
-                logits = step(model, token, positions, mask, kv_cache)
-    return ids[:, S : S + t + 1]  # [B, T]
+                keys[..., length - 1] = 0  # the new token is a key from now on
+                logits = step(model, token, positions, keys, kv_cache)
+        stop = flags.first_stop(wait=True)  # the steps' flags not read yet
+    return ids[:, S : S + (t if stop is None else stop) + 1]  # [B, T]
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c059
 import warnings
