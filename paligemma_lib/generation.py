@@ -450,7 +450,11 @@ def generate(
             # a NaN would decode as some token: checked by `flags`, on the host, later.
             # x * 0 == 0 exactly when x is finite (inf * 0 and NaN * 0 are NaN): two
             # operations, where torch.isfinite runs four
-            finite = (logits * 0 == 0).all(-1) | done  # [B]
+            ok = (logits * 0 == 0).all(-1)  # [B]
+            finite = ok | done
+            if do_sample:  # a NaN row must not reach torch.multinomial (on CUDA, a
+                # device-side assert): it draws from zeros; the flags raise for it
+                logits = logits.masked_fill(~ok[:, None], 0.0)
             token = next_token(logits, do_sample, temperature, top_k, top_p, generator)
             token = token.masked_fill(done, pad_token_id)  # [B]
             ids[:, S + t] = token

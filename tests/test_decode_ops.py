@@ -139,8 +139,12 @@ def test_stopping_at_eos_needs_no_sync_per_step():
     assert not SYNCS & set(per_step(run))
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_a_later_non_finite_step_is_named_with_its_rows(bad):
+def test_a_later_non_finite_step_is_named_with_its_rows(bad, do_sample):
+    """Sampling too: the flags are read after the token is drawn, so a NaN row must not
+    reach torch.multinomial (seen: its RuntimeError, a device-side assert on CUDA,
+    instead of NonFiniteLogitsError)"""
     config = tiny_config()
     model = model_for(config)
     inputs = prompts(config, [5, 2, 7], seed=1)
@@ -156,7 +160,14 @@ def test_a_later_non_finite_step_is_named_with_its_rows(bad):
     hook = model.language_model.lm_head.register_forward_hook(poison)
     try:
         with pytest.raises(NonFiniteLogitsError) as error:
-            generate(model, **inputs, max_new_tokens=8, eos_token_id=None)
+            generate(
+                model,
+                **inputs,
+                max_new_tokens=8,
+                eos_token_id=None,
+                do_sample=do_sample,
+                generator=torch.Generator().manual_seed(0),
+            )
     finally:
         hook.remove()
     message = str(error.value)
