@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .lora import DEFAULT_TARGETS
+
 __doc__ = """int8 weight-only quantisation (chapter 8.1): the decoder's Linear layers
 hold int8 weights and one scale per output channel, dequantised inside the product."""
 
@@ -84,15 +86,8 @@ class Int8Linear(nn.Module):
         )
 
 # %% ../book/08b_int8.ipynb #q014
-DECODER_LINEARS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+# the attention's and the MLP's projections: chapter 10's default LoRA targets
+DECODER_LINEARS = tuple(DEFAULT_TARGETS)
 
 
 def quantize_int8(model) -> list[str]:

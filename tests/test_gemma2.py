@@ -221,6 +221,19 @@ def test_prefix_sees_itself_beyond_the_window_and_the_suffix_does_not():
     assert changed_by_first_token(without(ours, sliding_window=None)).all()
 
 
+def their_greedy(theirs, inputs, new: int) -> torch.Tensor:
+    "transformers' greedy new tokens [B, new] (eos 1, pad 0, as ours is called)"
+    with torch.no_grad():
+        out = theirs.generate(
+            **inputs,
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=1,
+            pad_token_id=0,
+        )
+    return out[:, inputs["input_ids"].shape[1] :]
+
+
 @pytest.mark.parametrize("name", ["gqa", "mqa_27b_scalar"])
 def test_greedy_generation_past_the_window_equals_transformers(name):
     config = CONFIGS[name]
@@ -228,15 +241,7 @@ def test_greedy_generation_past_the_window_equals_transformers(name):
     inputs = prompts(config, [9, 2, 5], seed=2)
     new = 16  # the prompts (7 to 15 tokens) and the answers outgrow the window
     assert inputs["input_ids"].shape[1] + new > 4 * config.text.sliding_window
-    with torch.no_grad():
-        their_out = theirs.generate(
-            **inputs,
-            max_new_tokens=new,
-            do_sample=False,
-            eos_token_id=1,
-            pad_token_id=0,
-        )
-    expected = their_out[:, inputs["input_ids"].shape[1] :]
+    expected = their_greedy(theirs, inputs, new)
     assert expected.shape[1] > config.text.sliding_window
     for cache in ["static", "dynamic", "none"]:
         got = generate(ours, **inputs, max_new_tokens=new, cache=cache)
@@ -249,15 +254,7 @@ def test_compiled_greedy_generation_past_the_window_equals_transformers():
     ours, theirs = transformers_pair(config)  # sharpened: clear maxima
     inputs = prompts(config, [9, 2, 5], seed=2)
     new = 16
-    with torch.no_grad():
-        their_out = theirs.generate(
-            **inputs,
-            max_new_tokens=new,
-            do_sample=False,
-            eos_token_id=1,
-            pad_token_id=0,
-        )
-    expected = their_out[:, inputs["input_ids"].shape[1] :]
+    expected = their_greedy(theirs, inputs, new)
     got = generate(ours, **inputs, max_new_tokens=new, compile=True)
     assert torch.equal(got, expected)
 
