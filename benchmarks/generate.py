@@ -114,6 +114,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_reference import ours_from_transformers_state, sharpen  # noqa: E402
 
+from paligemma_lib import generation  # noqa: E402
 from paligemma_lib.config import (  # noqa: E402
     Gemma2TextConfig,
     PaliGemmaConfig,
@@ -223,7 +224,9 @@ def run_theirs(theirs, inputs, static=False):
     return out[:, inputs["input_ids"].shape[1] :]
 
 
-def run_ours(ours, inputs, cache="static", decoding_linears=False, compile=False):
+def run_ours(
+    ours, inputs, cache="static", decoding_linears=False, compile=False, threads=None
+):
     return generate(
         ours,
         **inputs,
@@ -232,6 +235,7 @@ def run_ours(ours, inputs, cache="static", decoding_linears=False, compile=False
         cache=cache,
         decoding_linears=decoding_linears,
         compile=compile,
+        threads=threads,
     )
 
 
@@ -261,6 +265,10 @@ def compare(ours, theirs, inputs, repeats, extras, ways=None):
         "transformers": lambda: run_theirs(theirs, inputs),
         "transformers static compiled": lambda: run_theirs(theirs, inputs, True),
     }
+    if inputs["input_ids"].device.type == "cpu":  # what choosing the threads buys
+        runs["ours, all threads"] = lambda: run_ours(
+            ours, inputs, threads=torch.get_num_threads()
+        )
     if extras:
         runs["ours, DecodingLinear"] = lambda: run_ours(
             ours, inputs, decoding_linears=True
@@ -357,15 +365,25 @@ def main():
                 ours, theirs, inputs, args.repeats, extras=index == 0, ways=args.ways
             )
             rate = {k: batch_size * NEW_TOKENS / v for k, v in t.items()}
+            timings = generation._step_timings.get(ours, {}).get(
+                (batch_size, torch.get_num_threads())
+            )
             row = {
                 "config": name,
                 "batch": batch_size,
+                # ours' decoding threads: the step times generate measured, its choice
+                "step_seconds_by_threads": timings,
+                "chosen_threads": timings and generation.fastest_threads(timings),
                 "tokens_per_s": rate,
                 "warm_up_s": warm_up,
                 "same_tokens_as_ours": same,
             }
             results["rows"].append(row)
-            print(f"{name} | batch {batch_size}", flush=True)
+            print(
+                f"{name} | batch {batch_size} | ours' steps on "
+                f"{row['chosen_threads'] or torch.get_num_threads()} thread(s)",
+                flush=True,
+            )
             bases = [b for b in ("transformers", "transformers static compiled", "ours")
                      if b in rate]  # fmt: skip
             for k, v in rate.items():

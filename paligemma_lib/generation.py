@@ -382,7 +382,8 @@ def _buffers(input_ids, attention_mask, token_type_ids, max_new_tokens, pad_toke
 # %% ../book/08_kv_cache_and_generation.ipynb #c037u
 @contextmanager
 def intra_op_threads(n: int):
-    "torch's intra-op thread count set to `n` within the block, restored after"
+    """torch's intra-op thread count set to `n` within the block, restored after. (With
+    OpenMP, PyTorch's usual build, the count belongs to the calling Python thread.)"""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

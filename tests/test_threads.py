@@ -160,3 +160,11 @@ def test_a_bad_thread_count_is_refused(bad):
     model = model_for(config)
     with pytest.raises(ValueError, match="positive int"):
         generate(model, **prompts(config, [3]), max_new_tokens=2, threads=bad)
+
+
+def test_nested_blocks_restore_the_enclosing_count(two_threads):
+    with intra_op_threads(1):
+        with intra_op_threads(2):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1  # the enclosing block's count again
+    assert torch.get_num_threads() == two_threads
