@@ -62,11 +62,13 @@ def commit() -> str | None:
     try:
         head = subprocess.run(
             [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
+        )
         dirty = subprocess.run([*git, "diff", "--quiet", "HEAD"]).returncode != 0
     except OSError:  # no git
         return None
-    return (head + "+changes" if dirty else head) or None
+    if head.returncode != 0:  # not a git checkout
+        return None
+    return head.stdout.strip() + ("+changes" if dirty else "")
 
 
 def synchronize(device: torch.device):
