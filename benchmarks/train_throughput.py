@@ -63,10 +63,10 @@ def commit() -> str | None:
         head = subprocess.run(
             [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         )
+        if head.returncode != 0:  # not a git checkout
+            return None
         dirty = subprocess.run([*git, "diff", "--quiet", "HEAD"]).returncode != 0
     except OSError:  # no git
-        return None
-    if head.returncode != 0:  # not a git checkout
         return None
     return head.stdout.strip() + ("+changes" if dirty else "")
 
