@@ -22,10 +22,33 @@ benchmarks/results/train-<device>-<date>.json. Run from the repository root:
     python benchmarks/train_throughput.py                  # CPU, workers 0 and 2
     python benchmarks/train_throughput.py --device cuda --workers 0 8 15
 
-On the book's build machine (2 CPU cores, torch 2.13.0), 2026-11-23, the default
-arguments, examples/s (medians):
+On the book's build machine (2 CPU cores shared with other jobs, torch 2.13.0, float32),
+2026-11-23, the default arguments, examples/s (medians). Before: commit 19e522e (a copy
+made with `git archive 19e522e`, this script added, run there with PYTHONPATH at the
+copy); after: `process_images` builds the batch in uint8 (chapter 1). Another process
+was running: load average 1.6 to 2.1 over the two runs, above the 1.5 of a quiet
+machine; the step's code did not change, and its rate moved by 11% between the runs:
 
-    (filled in below by the measurements of this change)
+    nano, batch 32, CPU            before   after
+    data only, workers 0             1252    2585   (2.1x)
+    data only, workers 2             1393    1458
+    step only                        15.2    13.5   (the same code)
+    end to end, workers 0            14.9    13.8
+    end to end, workers 2            16.3    14.6
+
+(benchmarks/results/train-cpu-20261123-1922-before-19e522e.json and
+train-cpu-20261123-1923.json.) Two earlier rounds, alternating before and after on a
+busier machine (load average 2.5 to 5.7), gave data only, workers 0: 208 and 71 ex/s
+before, 928 and 854 after; workers 2: 609 and 531 before, 848 and 1165 after; the step
+2.6 to 4.4 ex/s. Side by side in one process (alternating, median of 9, 32 images of
+the mix): `process_images` 1261 -> 4198 images/s, the Collator 1512 -> 3012 ex/s.
+
+Read: on this CPU the step dominates (about 2 s for 32 examples; the data took 26 ms
+of it before, 12 ms now), so end to end does not move. After the change two workers
+are slower than none here: the two cores are busy with the step and with other jobs,
+and every batch crosses from a worker as 18.4 MiB of float32 pixels. On an H100 the
+nano recipe trained at 1,524 examples/s (issue 24), ~100x this CPU's step, and waited
+for its data: there the data-only rates per worker are what counts.
 """
 
 import argparse
