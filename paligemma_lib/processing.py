@@ -148,12 +148,21 @@ def process_images(
         raise ValueError(
             "no images given: pass one image or a non-empty list of images"
         )
-    pixels = torch.stack(
-        [resize_to_square(load_image(im), image_size, resample) for im in images]
-    )  # [B, 3, image_size, image_size], levels 0..255
+    images = [load_image(im) for im in images]  # 8-bit RGB
+    if all(im.size == (image_size, image_size) for im in images):
+        # nothing to resize: stack the uint8 pixels, convert to float32 once
+        levels = torch.from_numpy(np.stack([np.asarray(im) for im in images]))
+        pixels = torch.empty(
+            len(images), 3, image_size, image_size, dtype=torch.float32
+        )
+        pixels.copy_(levels.permute(0, 3, 1, 2))  # [B, H, W, 3] uint8 -> [B, 3, H, W]
+    else:
+        pixels = torch.stack(
+            [resize_to_square(im, image_size, resample) for im in images]
+        )  # [B, 3, image_size, image_size], levels 0..255
     mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
     std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
-    return ((pixels / 255.0 - mean) / std).contiguous()
+    return pixels.div_(255.0).sub_(mean).div_(std)  # (x / 255 - mean) / std
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c003
 import io

@@ -6,8 +6,14 @@ import torch
 from PIL import Image, ImageDraw
 from torch import nn
 
+from paligemma_lib import processing
 from paligemma_lib.config import VisionConfig
-from paligemma_lib.processing import load_image, process_images, to_rgb
+from paligemma_lib.processing import (
+    load_image,
+    process_images,
+    resize_to_square,
+    to_rgb,
+)
 from paligemma_lib.siglip import SiglipVisionEmbeddings
 
 
@@ -304,6 +310,46 @@ def test_default_resample_is_bicubic_and_unchanged():
     assert not torch.equal(
         default, process_images(images, image_size=28, resample="bilinear")
     )
+
+
+def per_image(images, image_size, resample, mean, std):
+    "The reference: each image resized on its own, then (x / 255 - mean) / std"
+    mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+    std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+    levels = [resize_to_square(load_image(im), image_size, resample) for im in images]
+    return torch.stack([(x / 255.0 - mean) / std for x in levels])
+
+
+MODES = ["RGB", "L", "RGBA", "LA", "P"]
+CLIP = ((0.4815, 0.4578, 0.4082), (0.2686, 0.2613, 0.2758))  # one value per channel
+
+
+@pytest.mark.parametrize("resample", ["bicubic", "bilinear"])
+@pytest.mark.parametrize("mean_std", [((0.5,) * 3, (0.5,) * 3), CLIP])
+def test_uint8_batch_is_the_per_image_path_bit_for_bit(resample, mean_std, monkeypatch):
+    # bit for bit, not a tolerance: the two paths do the same float32 operations in
+    # the same order, and transformers' processor is checked against this function
+    images = [scene(56, 56, mode) for mode in MODES]
+    images[2].putalpha(Image.linear_gradient("L").resize((56, 56)))  # see-through
+    expected = per_image(images, 56, resample, *mean_std)
+
+    def no_resize(*args):
+        raise AssertionError("images of the target size were resized one by one")
+
+    with monkeypatch.context() as m:  # the uint8 path is the one taken
+        m.setattr(processing, "resize_to_square", no_resize)
+        fast = process_images(images, 56, *mean_std, resample)
+    assert torch.equal(fast, expected) and fast.is_contiguous()
+
+
+@pytest.mark.parametrize("resample", ["bicubic", "bilinear"])
+@pytest.mark.parametrize("mean_std", [((0.5,) * 3, (0.5,) * 3), CLIP])
+def test_batches_needing_a_resize_are_the_per_image_path(resample, mean_std):
+    # at the target size, shrunk, enlarged and not square, in several modes
+    sizes = [(56, 56), (90, 60), (30, 41), (56, 57), (200, 200)]
+    images = [scene(w, h, mode) for (w, h), mode in zip(sizes, MODES)]
+    pixels = process_images(images, 56, *mean_std, resample)
+    assert torch.equal(pixels, per_image(images, 56, resample, *mean_std))
 
 
 @pytest.mark.parametrize("resample", ["nearest", "BICUBIC", "lanczos", None])
