@@ -18,44 +18,55 @@ benchmarks/results/<device>-<config>[-busyN]-<date>.json. Run from the repositor
     python benchmarks/generate.py --only 3b --batches 1   # 3B widths, 2+2 layers
     python benchmarks/generate.py --device cuda   # bfloat16 on a GPU
 
-On the book's build machine (2 CPU cores, torch 2.13.0, transformers 5.23.0, float32),
-2026-11-22, `--batches 1 8 --repeats 3`; tokens/s, and each against transformers eager
-and against transformers static compiled. Quiet (load average about 1, nothing else
-running; the JSON is benchmarks/results/cpu-mid-20261122-2212.json):
+On a CPU, ours' decoding steps run on the thread count `generate` chose by timing its
+first steps with each candidate (chapter 8); "ours, all threads" is the same with
+`threads=` set to torch's count, to show what the choice buys. On the book's build
+machine (2 CPU cores, torch 2.13.0, transformers 5.23.0, float32), 2026-11-23,
+`--batches 1 8 --repeats 3 --ways ours "ours, all threads" "ours compiled" transformers
+"transformers static compiled"`; tokens/s, and against transformers eager. Quiet (load
+average 0.5 before the run; benchmarks/results/cpu-mid-20261123-1925.json) and with one
+other process (`--busy 1`: a Python loop on one of the two cores;
+benchmarks/results/cpu-mid-busy1-20261123-1926.json):
 
-    mid config                     batch   tok/s  vs eager  vs static compiled
-    ours (static cache, eager)        1     63.4    1.10x       0.87x
-    ours compiled                     1     73.1    1.27x       1.00x
-    transformers                      1     57.4    1.00x       0.79x
-    transformers static compiled      1     72.8    1.27x       1.00x
-    ours, DecodingLinear              1     64.4    1.12x       0.88x
-    ours, no cache                    1     10.2    0.18x       0.14x
-    ours (static cache, eager)        8    153.8    1.06x       0.98x
-    ours compiled                     8    157.5    1.09x       1.00x
-    transformers                      8    144.5    1.00x       0.92x
-    transformers static compiled      8    157.4    1.09x       1.00x
-    ours, DecodingLinear              8    217.1    1.50x       1.38x
-    ours, no cache                    8     14.1    0.10x       0.09x
+    mid config                     batch  quiet tok/s  vs eager   busy tok/s  vs eager
+    ours                              1       106.9      1.06x        71.0      2.05x
+    ours, all threads                 1       108.7      1.08x        42.1      1.22x
+    ours compiled                     1       114.1      1.13x        37.8      1.09x
+    transformers                      1       100.5      1.00x        34.6      1.00x
+    transformers static compiled      1       102.0      1.01x        27.5      0.80x
+    ours                              8       491.7      1.02x       303.1      2.21x
+    ours, all threads                 8       518.2      1.08x       119.7      0.87x
+    ours compiled                     8       517.3      1.07x       152.5      1.11x
+    transformers                      8       482.0      1.00x       137.4      1.00x
+    transformers static compiled      8       506.4      1.05x       122.8      0.89x
 
-Busy (`--busy 2`: two Python loops on the same two cores), batch 1 (batch 8 had not
-finished after 8 minutes and is not recorded):
+Same tokens as ours in every row. `generate` chose 1 thread at batch 1 and 2 at batch 8
+on the quiet machine (its two timed steps per count: 8.8/8.8 ms on 2 threads against
+8.8/8.6 on 1, and 14.0/13.0 against 13.5/13.6: a tie either way), and 1 thread at both
+batches on the busy one (batch 8: 31.7/133.3 ms on 2 threads against 19.9/14.1 on 1).
+Read: quiet, a step at these sizes is bound by reading the weights, and every way is
+within 14% of the others; busy, every way that keeps both threads loses three fifths to
+three quarters of its speed (a join waits for the thread the other process displaced),
+and the default, which measured that and chose one thread, is 2.05x transformers at
+batch 1 and 2.21x at batch 8. Compiled code keeps the threads it was compiled for (the
+choice applies to the eager steps only), so it loses its lead on a busy machine, as it
+did in the earlier runs below.
 
-    ours (static cache, eager)        1     11.9    1.01x       2.11x
-    ours compiled                     1      5.9    0.50x       1.05x
-    transformers                      1     11.8    1.00x       2.09x
-    transformers static compiled      1      5.6    0.48x       1.00x
-    ours, DecodingLinear              1      1.9    0.16x       0.34x
-    ours, no cache                    1      0.7    0.06x       0.12x
+At PaliGemma-3B's widths (`--only 3b --batches 1 --ways ours "ours, all threads"
+transformers`, quiet, benchmarks/results/cpu-3b-20261123-1929.json), where a step
+streams the 2.1 GB float32 LM head: ours 5.2 tok/s, all threads 5.1, transformers 5.1;
+the timed steps tied (155/158 ms on 2 threads, 156/157 on 1; 2 kept): one core already
+draws what this machine's memory gives.
 
-Same tokens as ours in every row. Read: on a quiet CPU, compiling is worth 15% at batch
-1 and little at batch 8, and ours and transformers' compiled paths tie; on a busy one,
-compiled code loses half its speed (probably its threads waiting for cores the loops
-hold) and eager wins. DecodingLinear is opt-in (`generate(..., decoding_linears=True)`):
-a default must never lose, and it lost badly on the busy machine (1.9 against 11.9 tok/s
-without it; an earlier busy run, with other jobs rather than loops: 43.4 against 66.5),
-while on the quiet one it wins at batch 8 (1.41x ours eager) and ties at batch 1. On a
-GPU, benchmarks/gpu.py measures PaliGemma-3B (its JSON is in benchmarks/results/), and
-benchmarks/decode_gap.py where a compiled step's time goes.
+Earlier, 2026-11-22, before `generate` chose its threads
+(benchmarks/results/cpu-mid-20261122-2212.json; a slower day on the same machine:
+transformers reached 57.4 tok/s at batch 1 "quiet", 100.5 today): ours 1.10x
+transformers at batch 1 and 1.06x at batch 8; with two Python loops on the two cores,
+1.01x at batch 1 (ours compiled 0.50x, DecodingLinear 0.16x). DecodingLinear is opt-in
+(`generate(..., decoding_linears=True)`): a default must never lose, and it lost badly
+on the busy machine, while on the quiet one it won at batch 8 (1.41x ours eager) and
+tied at batch 1. On a GPU, benchmarks/gpu.py measures PaliGemma-3B (its JSON is in
+benchmarks/results/), and benchmarks/decode_gap.py where a compiled step's time goes.
 
 int8 decoder weights (`ours, int8`, chapter 8.1), 2026-11-23, on a busy machine (load
 average about 8 on the 2 cores, from other jobs; the full `--batches 1 --repeats 3` run
