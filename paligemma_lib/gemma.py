@@ -93,12 +93,16 @@ class GemmaRotaryEmbedding(nn.Module):
                 f"so head_dim must be even"
             )
         self.head_dim, self.theta = head_dim, theta
+        self.inv_freq = {}  # device -> rope_inv_freq [d_h/2] in float32, on first use
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
         "position_ids [B, S] (integers) -> (cos, sin), each [B, S, head_dim] in `dtype`"
         device = position_ids.device
-        # [d_h/2]
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, device=device)
+        inv_freq = self.inv_freq.get(device)  # [d_h/2]
+        if inv_freq is None:
+            with torch.inference_mode(False):  # usable later by autograd too
+                inv_freq = rope_inv_freq(self.head_dim, self.theta, device=device)
+            self.inv_freq[device] = inv_freq
         # [B, S, d_h/2], in float32 whatever `dtype` is
         angles = position_ids.float()[..., None] * inv_freq
         # [B, S, d_h]: pair i is (i, i + d_h/2)

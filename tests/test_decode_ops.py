@@ -61,7 +61,9 @@ def count_ops(fn) -> collections.Counter:
 def per_step(run, short: int = 3, long: int = 7) -> dict:
     """Ops per decoding step, by name: run(n) generates n tokens; the difference
     between `long` and `short` tokens over long - short steps (the prefill cancels
-    out). A mean: transformers' static cache pads its mask at some steps only"""
+    out). A mean: transformers' static cache pads its mask at some steps only. A call
+    first, uncounted: what a model makes once (RoPE's frequencies) is not a step's"""
+    run(short)
     difference = count_ops(lambda: run(long))
     difference.subtract(count_ops(lambda: run(short)))
     return {op: n / (long - short) for op, n in difference.items() if n}

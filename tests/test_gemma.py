@@ -687,3 +687,26 @@ def test_from_hf_and_to_hf_are_methods_of_text_config_not_module_exports():
     assert TextConfig.from_hf(TextConfig().to_hf()) == TextConfig()
     assert "from_hf" not in config_module.__all__
     assert "to_hf" not in config_module.__all__
+
+
+def test_rope_frequencies_are_made_once_per_device_and_survive_casts_and_autograd():
+    "Kept in a plain dict, not a buffer: no checkpoint key, no bf16 rounding by .to()"
+    rope = GemmaRotaryEmbedding(64)
+    positions = torch.tensor([[0, 7, 4095]])
+    with torch.inference_mode():  # as in generate: made there first
+        first = rope(positions)
+    made = rope.inv_freq[torch.device("cpu")]
+    assert torch.equal(made, rope_inv_freq(64)) and made.dtype == torch.float32
+    assert rope(positions)[0].data_ptr() != first[0].data_ptr()  # a new result ...
+    assert rope.inv_freq[torch.device("cpu")] is made  # ... from the same frequencies
+    assert not rope.state_dict() and not list(rope.buffers())
+    rope.to(torch.bfloat16)  # casts buffers: there are none, the float32 dict stays
+    assert rope.inv_freq[torch.device("cpu")].dtype == torch.float32
+    # outside inference mode, a training step uses them in autograd
+    q = torch.randn(1, 2, 3, 64, requires_grad=True)
+    cos, sin = rope(positions)
+    (q * cos + q * sin).sum().backward()
+    assert q.grad is not None
+    # a model built on the meta device keeps that device's apart
+    meta = rope(positions.to("meta"))
+    assert meta[0].device.type == "meta" and len(rope.inv_freq) == 2
