@@ -11,12 +11,13 @@ transformers, transformers static compiled; for the mid config also ours with
 `decoding_linears=True`, ours without a cache, and ours with int8 decoder weights
 (`quantize_int8`, chapter 8.1; eager, static cache: its tokens may differ from ours, as
 its logits do, and "same tokens" says whether they did). Results go to
-benchmarks/results/<device>-<config>[-busyN]-<date>.json. Run from the repository root:
+benchmarks/results/<device>-<config>[-busyN][-bf16]-<date>.json. Run from the repository root:
 
     python benchmarks/generate.py                 # mid config, batch 1 and 8, CPU
     python benchmarks/generate.py --busy 2        # with 2 Python loops on the cores
     python benchmarks/generate.py --only 3b --batches 1   # 3B widths, 2+2 layers
     python benchmarks/generate.py --device cuda   # bfloat16 on a GPU
+    python benchmarks/generate.py --dtype bfloat16   # bfloat16 on the CPU
 
 On a CPU, ours' decoding steps run on the thread count `generate` chose by timing its
 first steps with each candidate (chapter 8); "ours, all threads" is the same with
@@ -329,6 +330,12 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (bfloat16)")
     parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="the models' dtype (default: bfloat16 on cuda, float32 on a CPU)",
+    )
+    parser.add_argument(
         "--busy", type=int, default=0, help="Python loops to run beside, on the cores"
     )
     parser.add_argument(
@@ -341,6 +348,8 @@ def main():
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.dtype is not None:
+        dtype = getattr(torch, args.dtype)
     if args.busy:
         keep_cores_busy(args.busy)
     print(
@@ -407,6 +416,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     busy = f"-busy{args.busy}" if args.busy else ""
+    busy += "-bf16" if device.type == "cpu" and dtype == torch.bfloat16 else ""
     path = out / f"{device.type}-{args.only}{busy}-{datetime.now():%Y%m%d-%H%M}.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")

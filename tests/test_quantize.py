@@ -214,3 +214,34 @@ def test_save_pretrained_refuses_an_int8_model(tmp_path):
     with pytest.raises(ValueError, match="quantise when loading"):
         save_pretrained(model, tmp_path / "int8")
     assert not (tmp_path / "int8").exists()
+
+
+@pytest.mark.parametrize("n", [320, 300])  # the kernel's inputs: multiples of 16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_16_bit_activations_on_a_cpu_take_the_int8_kernel(dtype, n, monkeypatch):
+    """The kernel reads the codes; the cast route elsewhere (float32, or a width the
+    kernel cannot take: it would crash the process); both the exact sum, rounded"""
+    torch.manual_seed(0)
+    linear = nn.Linear(n, 40, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, n) * 0.05)
+    layer = Int8Linear.from_linear(linear.to(dtype))
+    calls = []
+    kernel = torch._weight_int8pack_mm
+    monkeypatch.setattr(
+        torch, "_weight_int8pack_mm", lambda *a: calls.append(1) or kernel(*a)
+    )
+    x = torch.randn(2, 3, n).to(dtype)  # [B, S, in]: rows flattened for the kernel
+    with torch.no_grad():
+        y = layer(x)
+    assert calls == ([] if dtype == torch.float32 or n % 16 else [1])
+    assert y.shape == (2, 3, 40) and y.dtype == dtype
+    q64 = layer.weight_int8.double() * layer.weight_scale.double()[:, None]
+    b64 = layer.bias.double()
+    exact = F.linear(x.double(), q64, b64)
+    size = F.linear(x.double().abs(), q64.abs(), b64.abs())
+    u = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+    # float32 accumulation of n products, then up to three roundings in `dtype`
+    # (the product's output, the scaling, the bias)
+    allowed = (n * 2.0**-24 + 3 * u[dtype]) * size
+    assert ((y.double() - exact).abs() <= allowed).all()
