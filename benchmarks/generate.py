@@ -11,7 +11,8 @@ transformers, transformers static compiled; for the mid config also ours with
 `decoding_linears=True`, ours without a cache, and ours with int8 decoder weights
 (`quantize_int8`, chapter 8.1; eager, static cache: its tokens may differ from ours, as
 its logits do, and "same tokens" says whether they did). Results go to
-benchmarks/results/<device>-<config>[-busyN][-bf16]-<date>.json. Run from the repository root:
+benchmarks/results/<device>-<config>[-busyN][-bf16]-<date>.json. Run from the repository
+root:
 
     python benchmarks/generate.py                 # mid config, batch 1 and 8, CPU
     python benchmarks/generate.py --busy 2        # with 2 Python loops on the cores
