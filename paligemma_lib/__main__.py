@@ -656,7 +656,9 @@ def train_command(args: argparse.Namespace, argv) -> int:
         )
         model = PaliGemmaForConditionalGeneration(model_settings)
     trainable, total = count_parameters(model)
-    collate = data.Collator(processor)
+    # the workers send 8-bit levels (a quarter of float32's bytes): the model
+    # normalises them on its device (chapters 1 and 7)
+    collate = data.Collator(processor, pixels="uint8")
     evaluate = None
     if validation is not None:
         evaluate = make_evaluator(processor, validation, collate, device=device)

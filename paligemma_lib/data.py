@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from paligemma_lib.processing import (
     PaliGemmaBatch,
     PaliGemmaProcessor,
+    _check_pixels,
     boxes_to_loc_string,
 )
 
@@ -423,10 +424,18 @@ class SyntheticDataset(Dataset):
 class Collator:
     """collate_fn for a DataLoader: [(image, prompt, answer), ...] -> PaliGemmaBatch,
     the answers as suffixes (right padding; labels -100 except on answers and <eos>).
-    max_length: an optional bound on S; a longer example is an error, never cut."""
+    max_length: an optional bound on S; a longer example is an error, never cut.
+    pixels: "normalized" (float32) or "uint8" (the 8-bit levels, a quarter of the
+    bytes to carry from a DataLoader's workers; the model normalises them)."""
 
-    def __init__(self, processor: PaliGemmaProcessor, max_length: int | None = None):
-        self.processor, self.max_length = processor, max_length
+    def __init__(
+        self,
+        processor: PaliGemmaProcessor,
+        max_length: int | None = None,
+        pixels: str = "normalized",
+    ):
+        _check_pixels(pixels, processor.image_mean, processor.image_std)
+        self.processor, self.max_length, self.pixels = processor, max_length, pixels
 
     def __call__(self, examples: list) -> PaliGemmaBatch:
         if not examples:
@@ -440,4 +449,5 @@ class Collator:
             suffixes=list(answers),
             padding_side="right",
             max_length=self.max_length,
+            pixels=self.pixels,
         )

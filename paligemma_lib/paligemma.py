@@ -14,6 +14,7 @@ from torch import nn
 
 from .config import PaliGemmaConfig
 from .gemma import GemmaForCausalLM, additive_mask
+from .processing import normalize_levels
 from .siglip import SiglipVisionModel
 
 __doc__ = """PaliGemma (chapter 7): the projector, image features merged into the
@@ -156,7 +157,11 @@ class PaliGemmaForConditionalGeneration(nn.Module):
         self.language_model = GemmaForCausalLM(config.text)
 
     def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        "Images [B, 3, image_size, image_size] -> projected features [B, N, D]"
+        """Images [B, 3, image_size, image_size] -> projected features [B, N, D]. The
+        images: normalised floats, or their 8-bit levels (uint8), normalised here on
+        their device as every PaliGemma checkpoint was trained: x / 127.5 - 1"""
+        if pixel_values.dtype == torch.uint8:
+            pixel_values = normalize_levels(pixel_values)  # float32 in [-1, 1]
         vision_out = self.vision_tower(pixel_values).last_hidden_state  # [B, N, 1152]
         return self.multi_modal_projector(vision_out)  # [B, N, D]
 

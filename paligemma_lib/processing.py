@@ -3,8 +3,9 @@
 # %% auto #0
 __all__ = ['IMAGE_MEAN', 'IMAGE_STD', 'RESAMPLE', 'to_rgb', 'too_many_pixels',
            'load_image', 'resize_bilinear', 'resize_to_square',
-           'process_images', 'IMAGE_TOKEN', 'LOC_TOKENS', 'SEG_TOKENS',
-           'SHIPPED', 'NUM_LOC_BINS', 'BOX_COLOURS', 'tokenizer_corpus',
+           'image_levels', 'normalize_levels', 'process_images',
+           'IMAGE_TOKEN', 'LOC_TOKENS', 'SEG_TOKENS', 'SHIPPED',
+           'NUM_LOC_BINS', 'BOX_COLOURS', 'tokenizer_corpus',
            'train_tokenizer', 'GemmaTokenizer', 'default_tokenizer_path',
            'PaliGemmaBatch', 'pad_sequences', 'PaliGemmaProcessor',
            'shipped_model_path', 'resolve_model_path', 'read_json',
@@ -125,15 +126,10 @@ def resize_to_square(image: Image.Image, image_size: int, resample: str):
     return resize_bilinear(pixels, image_size)
 
 
-def process_images(
-    images,
-    image_size: int = 224,
-    mean=IMAGE_MEAN,
-    std=IMAGE_STD,
-    resample: str = "bicubic",
-) -> torch.Tensor:
-    """Image(s) (paths or PIL images) -> `pixel_values` [B, 3, image_size, image_size],
-    float32 in [-1, 1]. resample: "bicubic" (Pillow, the pixels of transformers'
+def image_levels(images, image_size: int = 224, resample: str = "bicubic"):
+    """Image(s) (paths or PIL images) -> their 8-bit levels, resized: [B, 3,
+    image_size, image_size] uint8, 0..255 (what process_images normalises; a quarter
+    of its bytes). resample: "bicubic" (Pillow, the pixels of transformers'
     processor) or "bilinear" (big_vision's resize, which trained the checkpoints)"""
     if resample not in RESAMPLE:
         raise ValueError(
@@ -150,19 +146,39 @@ def process_images(
         )
     images = [load_image(im) for im in images]  # 8-bit RGB
     if all(im.size == (image_size, image_size) for im in images):
-        # nothing to resize: stack the uint8 pixels, convert to float32 once
+        # nothing to resize: stack the 8-bit pixels as they are
         levels = torch.from_numpy(np.stack([np.asarray(im) for im in images]))
-        pixels = torch.empty(
-            len(images), 3, image_size, image_size, dtype=torch.float32
+        return levels.permute(0, 3, 1, 2).contiguous()  # [B, H, W, 3] -> [B, 3, H, W]
+    resized = [resize_to_square(im, image_size, resample) for im in images]
+    return torch.stack(resized).to(torch.uint8)  # whole levels 0..255: exact
+
+
+def normalize_levels(levels: torch.Tensor, mean=IMAGE_MEAN, std=IMAGE_STD):
+    """8-bit levels [B, 3, H, W] -> float32 (levels / 255 - mean) / std, on the
+    levels' device: in [-1, 1] with the default mean and std"""
+    if levels.dtype != torch.uint8 or levels.ndim != 4 or levels.shape[1] != 3:
+        raise ValueError(
+            f"levels has dtype {levels.dtype} and shape {list(levels.shape)}; "
+            f"expected uint8 [batch, 3, height, width] (image_levels makes them)"
         )
-        pixels.copy_(levels.permute(0, 3, 1, 2))  # [B, H, W, 3] uint8 -> [B, 3, H, W]
-    else:
-        pixels = torch.stack(
-            [resize_to_square(im, image_size, resample) for im in images]
-        )  # [B, 3, image_size, image_size], levels 0..255
-    mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
-    std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
-    return pixels.div_(255.0).sub_(mean).div_(std)  # (x / 255 - mean) / std
+    pixels = levels.to(torch.float32)  # one conversion, a new tensor
+    mean = torch.tensor(mean, dtype=torch.float32, device=levels.device)
+    std = torch.tensor(std, dtype=torch.float32, device=levels.device)
+    # in place: the same float32 operations as (x / 255 - mean) / std, in that order
+    return pixels.div_(255.0).sub_(mean.view(1, 3, 1, 1)).div_(std.view(1, 3, 1, 1))
+
+
+def process_images(
+    images,
+    image_size: int = 224,
+    mean=IMAGE_MEAN,
+    std=IMAGE_STD,
+    resample: str = "bicubic",
+) -> torch.Tensor:
+    """Image(s) (paths or PIL images) -> `pixel_values` [B, 3, image_size, image_size],
+    float32 in [-1, 1]. resample: "bicubic" (Pillow, the pixels of transformers'
+    processor) or "bilinear" (big_vision's resize, which trained the checkpoints)"""
+    return normalize_levels(image_levels(images, image_size, resample), mean, std)
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c003
 import io
@@ -500,11 +516,13 @@ class PaliGemmaBatch:
         return getattr(self, key)
 
     def to(self, device=None, dtype=None) -> "PaliGemmaBatch":
-        "Every tensor to `device`; `dtype` (e.g. torch.bfloat16) for pixel_values only"
+        """Every tensor to `device`; `dtype` (e.g. torch.bfloat16) for float
+        pixel_values only (8-bit levels stay uint8: the model normalises them)"""
         moved = {k: self[k].to(device) for k in self.keys()}
-        moved["pixel_values"] = moved["pixel_values"].to(
-            dtype or moved["pixel_values"].dtype
-        )
+        if moved["pixel_values"].is_floating_point():
+            moved["pixel_values"] = moved["pixel_values"].to(
+                dtype or moved["pixel_values"].dtype
+            )
         return PaliGemmaBatch(**moved)
 
 
@@ -586,6 +604,21 @@ def _check_return_tensors(return_tensors: str):
         raise ValueError(
             f"return_tensors={return_tensors!r}: only 'pt' (PyTorch tensors) is "
             f"supported"
+        )
+
+
+def _check_pixels(pixels: str, mean, std):
+    "uint8 levels only where the model's normalisation (chapter 7) is ours"
+    if pixels not in ("normalized", "uint8"):
+        raise ValueError(
+            f"pixels={pixels!r}: use 'normalized' (float32 in [-1, 1]) or 'uint8' "
+            f"(the 8-bit levels, which the model normalises)"
+        )
+    if pixels == "uint8" and (tuple(mean), tuple(std)) != (IMAGE_MEAN, IMAGE_STD):
+        raise ValueError(
+            f"pixels='uint8' leaves the normalisation to the model, which uses "
+            f"PaliGemma's mean {IMAGE_MEAN} and std {IMAGE_STD}; this processor's are "
+            f"{tuple(mean)} and {tuple(std)}: use pixels='normalized'"
         )
 
 
@@ -682,6 +715,7 @@ class PaliGemmaProcessor:
         padding_side: str | None = None,
         max_length: int | None = None,
         return_tensors: str = "pt",
+        pixels: str = "normalized",
     ) -> PaliGemmaBatch:
         """One sequence per (image, prompt[, suffix]), padded into a batch.
 
@@ -694,9 +728,12 @@ class PaliGemmaProcessor:
         max_length: an upper bound on the sequence length; nothing is cut, a longer
             sequence is an error that says by how much.
         return_tensors: "pt" only.
+        pixels: "normalized" (float32 in [-1, 1]) or "uint8" (the 8-bit levels, a
+            quarter of the bytes: the model normalises them, chapter 7).
         Returns a PaliGemmaBatch: input_ids, attention_mask, token_type_ids,
         pixel_values and labels (None without suffixes)."""
         _check_return_tensors(return_tensors)
+        _check_pixels(pixels, self.image_mean, self.image_std)
         prompts, images = _as_texts(prompts, "prompts"), _as_images(images)
         suffixes = None if suffixes is None else _as_texts(suffixes, "suffixes")
         _check_counts(images, prompts, suffixes)
@@ -718,9 +755,12 @@ class PaliGemmaProcessor:
         labels = None
         if suffixes is not None:
             labels = input_ids.masked_fill(token_type_ids == 0, -100)  # [B, S]
-        pixel_values = process_images(
-            images, self.image_size, self.image_mean, self.image_std
-        )  # [B, 3, image_size, image_size]
+        # [B, 3, image_size, image_size]
+        pixel_values = image_levels(images, self.image_size)  # uint8
+        if pixels == "normalized":
+            pixel_values = normalize_levels(
+                pixel_values, self.image_mean, self.image_std
+            )
         return PaliGemmaBatch(
             input_ids, attention_mask, token_type_ids, pixel_values, labels
         )
