@@ -70,13 +70,30 @@ on the busy machine, while on the quiet one it won at batch 8 (1.41x ours eager)
 tied at batch 1. On a GPU, benchmarks/gpu.py measures PaliGemma-3B (its JSON is in
 benchmarks/results/), and benchmarks/decode_gap.py where a compiled step's time goes.
 
-int8 decoder weights (`ours, int8`, chapter 8.1), 2026-11-23, on a busy machine (load
-average about 8 on the 2 cores, from other jobs; the full `--batches 1 --repeats 3` run
-did not finish its warm-up in 8 minutes), `--batches 1 --repeats 3 --ways ours "ours,
-int8"` (benchmarks/results/cpu-mid-20261123-1715.json): ours 9.3 tok/s, ours int8 3.6
-tok/s (0.39x). Eager int8 is slower on the CPU: `q.to(x.dtype)` writes a float32 copy of
-each weight at every step and reads it again, more traffic than the float32 weight
-alone. Its tokens differ from ours here (random weights, 32 tokens), as its logits do.
+int8 decoder weights (`ours, int8`, chapter 8.1), 2026-11-23, quiet (load average 1.7
+with the run itself), `--batches 1 8 --repeats 3 --ways ours "ours, int8" transformers`,
+in float32 (the CPU's default; benchmarks/results/cpu-mid-20261123-2000.json) and with
+`--dtype bfloat16` (benchmarks/results/cpu-mid-bf16-20261123-2000.json), tokens/s:
+
+    mid config          batch   float32   bfloat16
+    ours                   1       77.3      137.5
+    ours, int8             1      103.7      183.9
+    transformers           1       74.9      127.0
+    ours                   8      294.5      619.4
+    ours, int8             8      336.4      542.0
+    transformers           8      314.9      639.4
+
+At batch 1 int8 is 1.34x ours in either dtype, and int8 with bfloat16 activations 2.4x
+ours in float32: a step reads the weights once, and the codes are a quarter of float32's
+bytes, half of bfloat16's. In bfloat16 the product is torch._weight_int8pack_mm, which
+reads the codes as they are; in float32 the codes are cast to a float copy first, which
+at these sizes (4 MB a layer at most) probably stays in the CPU's caches, so that what
+comes from memory is still the int8 codes. At batch 8 the int8 kernel loses to
+bfloat16's matrix product (0.88x): with 8 rows a step does eight times the arithmetic on
+the same bytes. (An earlier run on a machine with load average 8, before the kernel:
+float32 9.3 tok/s, int8 3.6.) The int8 tokens differ from ours here (random weights, 32
+tokens), as its logits do; transformers' bfloat16 tokens differ from ours too (rounding
+at other places).
 
 Earlier measurements (before the static cache and compile), for the record:
 

@@ -43,6 +43,23 @@ before, 928 and 854 after; workers 2: 609 and 531 before, 848 and 1165 after; th
 2.6 to 4.4 ex/s. Side by side in one process (alternating, median of 9, 32 images of
 the mix): `process_images` 1261 -> 4198 images/s, the Collator 1512 -> 3012 ex/s.
 
+Images as 8-bit levels (`--pixels`, `Collator(pixels="uint8")`, what the CLI's train
+now sends; the model normalises them on its device), the same machine a little later
+(load average 1.8 with the run itself), `python benchmarks/train_throughput.py` and
+again with `--pixels normalized uint8`, examples/s, data only
+(benchmarks/results/train-cpu-20261123-1958.json and -1959.json):
+
+    nano, batch 32, CPU          float32 pixels   uint8 levels
+    data only, workers 0            2684, 1701      2348, 2419
+    data only, workers 2            1455, 1587      3014, 3031
+    batch's pixels                  18.4 MiB         4.6 MiB
+
+Through two workers, levels double the rate: a batch crosses from a worker as a quarter
+of the bytes. In this process the two are within the runs' noise (the levels skip the
+normalisation, which the model then does on the device). The step stays at about 16
+examples/s, so end to end does not move on this CPU (15.0 and 15.6 examples/s with
+workers 0 and 2).
+
 Read: on this CPU the step dominates (about 2 s for 32 examples; the data took 26 ms
 of it before, 12 ms now), so end to end does not move. After the change two workers
 are slower than none here: the two cores are busy with the step and with other jobs,
@@ -193,6 +210,14 @@ def main():
     parser.add_argument(
         "--e2e-steps", type=int, default=5, help="steps per end-to-end timing"
     )
+    parser.add_argument(
+        "--pixels",
+        nargs="+",
+        choices=["uint8", "normalized"],
+        default=["uint8", "normalized"],
+        help="the batches' images: 8-bit levels (the CLI's train) or float32; the "
+        "data rates for each, the step and end to end with the first",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if any(w < 0 for w in args.workers):
@@ -201,7 +226,11 @@ def main():
     processor = PaliGemmaProcessor.from_pretrained(shipped_model_path("nano"))
     dataset = SyntheticDataset(WORLDS, size=TRAIN_SIZE)
     config = TrainConfig(steps=TRAIN_SIZE, batch_size=args.batch_size)
-    batches = StepBatches(dataset, Collator(processor), config)
+    by_pixels = {
+        p: StepBatches(dataset, Collator(processor, pixels=p), config)
+        for p in args.pixels
+    }
+    batches = by_pixels[args.pixels[0]]  # the step's and end to end's
     print(
         f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads, "
         f"batch {args.batch_size}, {dataset}",
@@ -211,8 +240,8 @@ def main():
     micro_batches = batches[0]  # the step-only batch, built once
     batch = micro_batches[0]
     size = {
-        "pixel_bytes": batch.pixel_values.nelement()
-        * batch.pixel_values.element_size(),
+        "pixels": args.pixels[0],
+        "pixel_bytes": batch.pixel_values.nbytes,
         "tokens": batch.input_ids.numel(),
         "real_tokens": int(batch.attention_mask.sum()),
         "sequence_length": batch.input_ids.shape[1],
@@ -226,17 +255,19 @@ def main():
     )
 
     rates = {"data": {}, "step": None, "end_to_end": {}}
-    for workers in args.workers:
-        rates["data"][workers] = data_rate(
-            batches, workers, args.data_steps, args.repeats, args.batch_size
-        )
-        print(f"data only, workers {workers}: {rates['data'][workers]:.0f} ex/s")
+    for pixels, some_batches in by_pixels.items():
+        for workers in args.workers:
+            name = f"{pixels}, workers {workers}"
+            rates["data"][name] = data_rate(
+                some_batches, workers, args.data_steps, args.repeats, args.batch_size
+            )
+            print(f"data only, {name}: {rates['data'][name]:.0f} ex/s", flush=True)
 
     training = new_training(processor, config, device)
     rates["step"] = step_rate(
         training, micro_batches, config, device, args.warmup, args.repeats
     )
-    print(f"step only ({device}): {rates['step']:.1f} ex/s", flush=True)
+    print(f"step only ({device}, {args.pixels[0]}): {rates['step']:.1f} ex/s")
 
     for workers in args.workers:
         rates["end_to_end"][workers] = end_to_end_rate(
