@@ -46,10 +46,15 @@ def test_levels_normalised_are_process_images_bit_for_bit(resample):
     assert torch.equal(
         normalize_levels(levels), process_images(images(), 28, resample=resample)
     )
-    # the formula, on the exact values: (x / 255 - 0.5) / 0.5 in float32
+    # the formula, on the exact values: (x / 255 - 0.5) / 0.5
     x = levels.double()
-    exact = ((x / 255 - 0.5) / 0.5).float()  # each float32 step is exact to 1/2 ulp
-    torch.testing.assert_close(normalize_levels(levels), exact, rtol=0, atol=2**-23)
+    exact = ((x / 255 - 0.5) / 0.5).float()
+    # float32 rounds x / 255 and the subtraction (half an ulp of a value below 1 each,
+    # at most 2**-25), the division by 0.5 doubles them: 2**-23, and the reference's own
+    # rounding to float32 adds 2**-24; 2**-22 covers the sum. rtol=0: values near 0
+    torch.testing.assert_close(
+        normalize_levels(levels), exact, rtol=0, atol=2**-22
+    )  # rtol=0, atol=2**-22: the roundings counted above
 
 
 def test_normalize_levels_refuses_floats():
