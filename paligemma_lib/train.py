@@ -26,6 +26,7 @@ import re
 import secrets
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from .config import PaliGemmaConfig, TextConfig, VisionConfig
-from .generation import answer, has_native_bf16
+from .generation import answer, gpu_branch, has_native_bf16
 from paligemma_lib.lora import (
     ADAPTER_WEIGHTS,
     adapted_module,
@@ -150,11 +151,12 @@ def shard(
 # %% ../book/11b_training.ipynb #c023
 def autocast_dtype(device, native_bf16: bool | None = None) -> torch.dtype | None:
     """The dtype autocast computes in on `device`: bf16 on a CUDA GPU with bf16 in
-    hardware (Ampere and later), fp16 on an older one (a T4 emulates bf16, slowly),
-    None elsewhere (no autocast: fp32 throughout). native_bf16: what the GPU has, as
+    hardware (Ampere and later), fp16 on an older one (a T4 emulates bf16, slowly)
+    and on the CPU rehearsing a T4 (`gpu_branch`, chapter 8), None elsewhere (no
+    autocast: fp32 throughout). native_bf16: what the GPU has, as
     `has_native_bf16(device)` (chapter 8) answers when it is None"""
     device = torch.device(device)
-    if device.type != "cuda":
+    if not gpu_branch(device):
         return None
     if native_bf16 is None:
         native_bf16 = has_native_bf16(device)
@@ -162,7 +164,7 @@ def autocast_dtype(device, native_bf16: bool | None = None) -> torch.dtype | Non
 
 
 def autocast(device) -> contextlib.AbstractContextManager:
-    "Autocast in `autocast_dtype(device)`; on the CPU nothing: fp32 throughout"
+    "Autocast in `autocast_dtype(device)`; where that is None nothing: fp32 throughout"
     dtype = autocast_dtype(device)
     if dtype is None:
         return contextlib.nullcontext()
@@ -230,7 +232,11 @@ def training_step(
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     scaler.step(optimizer)  # skipped if a gradient is inf or nan
     scaler.update()
-    scheduler.step()
+    with warnings.catch_warnings():  # the schedule counts steps, skipped ones too
+        warnings.filterwarnings(
+            "ignore", "Detected call of `lr_scheduler.step", UserWarning
+        )
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return total.item(), norm.item()
 

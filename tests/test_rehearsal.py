@@ -1,0 +1,174 @@
+"""Issue 28: the T4 rehearsal. `PALIGEMMA_REHEARSE_GPU=t4` makes the CPU take every GPU
+branch with a T4's arithmetic (no native bf16: fp16 autocast and the loss scaler, bf16
+checkpoints loaded as float32); `gpu_branch` is the one question a chapter asks, and each
+named branch taken is written to $PALIGEMMA_REHEARSAL_RECORD. `.ci/run` runs the chapters
+that have GPU branches that way, then `test_every_gpu_branch_was_rehearsed` (marker
+`rehearsal`) reads the record."""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import DATA, SMALL, flipping_collate, toy_model
+
+from paligemma_lib import train as train_module
+from paligemma_lib.generation import (
+    REHEARSAL,
+    REHEARSAL_RECORD,
+    gpu_branch,
+    has_native_bf16,
+    pick_device,
+    rehearsal,
+)
+from paligemma_lib.train import autocast_dtype, grad_scaler, latest_checkpoint, train
+from paligemma_lib.weights import resolve_dtype
+
+BOOK = Path(__file__).resolve().parents[1] / "book"
+# gpu_branch(<anything>, "<name>"): the name a chapter's branch records
+BRANCH = re.compile(r"gpu_branch\(\s*[^,()]+,\s*\"([^\"]+)\"\s*\)")
+
+
+@pytest.fixture
+def t4(monkeypatch):
+    monkeypatch.setenv(REHEARSAL, "t4")
+    monkeypatch.delenv(REHEARSAL_RECORD, raising=False)
+
+
+@pytest.fixture
+def no_rehearsal(monkeypatch):
+    monkeypatch.delenv(REHEARSAL, raising=False)
+    monkeypatch.delenv(REHEARSAL_RECORD, raising=False)
+
+
+def chapter_code_cells():
+    "(notebook name, cell id, source) of every code cell of book/ that is not exported"
+    for path in sorted(BOOK.glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            source = "".join(cell["source"])
+            if cell["cell_type"] == "code" and not source.startswith("#| export"):
+                yield path.name, cell.get("id"), source
+
+
+def branch_names() -> list[str]:
+    return [n for *_, src in chapter_code_cells() for n in BRANCH.findall(src)]
+
+
+def test_the_switch_reads_t4_or_nothing(monkeypatch):
+    monkeypatch.delenv(REHEARSAL, raising=False)
+    assert rehearsal() is None
+    for value, expected in [("", None), ("t4", "t4"), (" T4 ", "t4")]:
+        monkeypatch.setenv(REHEARSAL, value)
+        assert rehearsal() == expected
+    monkeypatch.setenv(REHEARSAL, "a100")
+    with pytest.raises(ValueError, match="the one GPU rehearsed is 't4'"):
+        rehearsal()
+
+
+def test_without_the_switch_the_cpu_takes_no_gpu_branch(no_rehearsal):
+    assert not gpu_branch("cpu") and gpu_branch("cuda")  # cuda: named, not used
+    assert pick_device("cpu") == (torch.device("cpu"), torch.float32)
+    assert has_native_bf16("cpu") and autocast_dtype("cpu") is None
+    assert not grad_scaler("cpu").is_enabled()
+    assert resolve_dtype(None, "BF16", "cpu") == torch.bfloat16
+
+
+def test_the_cpu_rehearsing_a_t4_has_a_t4s_arithmetic(t4):
+    """A T4 (compute capability 7.5) has no native bf16: pick_device keeps float32
+    weights, training autocasts to fp16 with the scaler on, and a bf16 checkpoint
+    loads as float32, exactly as `autocast_dtype("cuda", native_bf16=False)` says"""
+    assert gpu_branch("cpu") and not gpu_branch("meta")
+    assert pick_device() == (torch.device("cpu"), torch.float32)
+    assert not has_native_bf16("cpu")
+    assert autocast_dtype("cpu") == autocast_dtype("cuda", native_bf16=False)
+    assert autocast_dtype("cpu") == torch.float16
+    assert grad_scaler("cpu").is_enabled()
+    assert resolve_dtype(None, "BF16", "cpu") == torch.float32
+    with train_module.autocast("cpu"):
+        product = torch.randn(4, 8) @ torch.randn(8, 4)
+    assert product.dtype == torch.float16  # autocast reached the CPU's matmul
+
+
+def test_a_branch_taken_is_recorded(t4, monkeypatch, tmp_path):
+    record = tmp_path / "record.txt"
+    monkeypatch.setenv(REHEARSAL_RECORD, str(record))
+    assert gpu_branch("cpu", "first") and gpu_branch("cpu") and gpu_branch("cpu", "2")
+    assert record.read_text().splitlines() == ["first", "2"]
+    monkeypatch.delenv(REHEARSAL)
+    assert not gpu_branch("cpu", "not taken")
+    assert record.read_text().splitlines() == ["first", "2"]
+
+
+def test_chapters_ask_gpu_branch_and_name_each_branch():
+    """A chapter decides its GPU branch with `gpu_branch(device, "name")`, never by
+    comparing a device's type itself, so the rehearsal reaches every branch and the
+    record can be checked against this list"""
+    names = branch_names()
+    assert len(names) >= 3 and len(set(names)) == len(names), names
+    for notebook, cell, source in chapter_code_cells():
+        for line in source.splitlines():  # a check of the helper may leave it unnamed
+            if "gpu_branch(" in line and not line.lstrip().startswith("assert"):
+                assert BRANCH.search(line), f"{notebook} cell {cell}: {line.strip()}"
+        decides = re.findall(r"^\s*(?:if|elif)\b[^\n]*\.type\s*[!=]=", source, re.M)
+        assert not decides, f"{notebook} cell {cell}: {decides} (use gpu_branch)"
+
+
+def test_fp16_training_resumes_bit_for_bit(t4, monkeypatch, tmp_path):
+    """The real loop on the CPU with fp16 autocast and the loss scaler: a run stopped
+    after step 5 and resumed from its step-4 checkpoint ends with the weights and the
+    history of an uninterrupted run. The scaler starts at 2^18, so it skips the
+    first steps (gradients overflow fp16) and halves to 2^16: its state at the
+    checkpoint is not its initial one. Seen to catch: `scaler.load_state_dict`
+    removed from `train` (the resumed run restarts at 2^18 and skips step 5)."""
+    monkeypatch.setattr(
+        train_module,
+        "grad_scaler",
+        lambda device: torch.amp.GradScaler("cpu", init_scale=2.0**18),
+    )
+    uninterrupted = toy_model()
+    expected = train(uninterrupted, DATA, flipping_collate, SMALL, progress=False)
+    # the scaler skipped steps: an inf norm marks each
+    assert not all(map(torch.isfinite, torch.tensor(expected["grad_norm"])))
+
+    def stop(step, loss):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(
+            toy_model(),
+            DATA,
+            flipping_collate,
+            SMALL,
+            out_dir=tmp_path,
+            progress=False,
+            on_step=stop,
+        )
+    assert latest_checkpoint(tmp_path).name == "step-0000004"
+    resumed = toy_model(seed=1)  # the checkpoint replaces these weights
+    history = train(
+        resumed,
+        DATA,
+        flipping_collate,
+        SMALL,
+        out_dir=tmp_path,
+        resume=True,
+        progress=False,
+    )
+    assert history["loss"] == expected["loss"]
+    assert history["grad_norm"] == expected["grad_norm"]
+    for (name, p), q in zip(uninterrupted.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.rehearsal
+def test_every_gpu_branch_was_rehearsed():
+    """Run by `.ci/run` after the chapters ran with PALIGEMMA_REHEARSE_GPU=t4: every
+    branch named in book/ wrote its name to the record"""
+    record = os.environ.get(REHEARSAL_RECORD)
+    assert record, f"set {REHEARSAL_RECORD} to the record of a rehearsal run"
+    taken = set(Path(record).read_text().splitlines())
+    missing = [name for name in branch_names() if name not in taken]
+    assert not missing, f"GPU branches the rehearsal did not reach: {missing}"
