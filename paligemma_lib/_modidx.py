@@ -274,6 +274,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                     'paligemma_lib/generation.py'),
                                           'paligemma_lib.generation.rehearsal': ( 'kv_cache_and_generation.html#rehearsal',
                                                                                   'paligemma_lib/generation.py'),
+                                          'paligemma_lib.generation.stands_in_for_gpu': ( 'kv_cache_and_generation.html#stands_in_for_gpu',
+                                                                                          'paligemma_lib/generation.py'),
                                           'paligemma_lib.generation.synchronize': ( 'kv_cache_and_generation.html#synchronize',
                                                                                     'paligemma_lib/generation.py'),
                                           'paligemma_lib.generation.thread_candidates': ( 'kv_cache_and_generation.html#thread_candidates',

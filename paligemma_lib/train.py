@@ -152,7 +152,7 @@ def shard(
 def autocast_dtype(device, native_bf16: bool | None = None) -> torch.dtype | None:
     """The dtype autocast computes in on `device`: bf16 on a CUDA GPU with bf16 in
     hardware (Ampere and later), fp16 on an older one (a T4 emulates bf16, slowly)
-    and on the CPU rehearsing a T4 (`gpu_branch`, chapter 8), None elsewhere (no
+    and on the CPU standing in for one (`gpu_branch`, chapter 8), None elsewhere (no
     autocast: fp32 throughout). native_bf16: what the GPU has, as
     `has_native_bf16(device)` (chapter 8) answers when it is None"""
     device = torch.device(device)

@@ -1,9 +1,10 @@
-"""Issue 28: the T4 rehearsal. `PALIGEMMA_REHEARSE_GPU=t4` makes the CPU take every GPU
-branch with a T4's arithmetic (no native bf16: fp16 autocast and the loss scaler, bf16
-checkpoints loaded as float32); `gpu_branch` is the one question a chapter asks, and each
-named branch taken is written to $PALIGEMMA_REHEARSAL_RECORD. `.ci/run` runs the chapters
-that have GPU branches that way, then `test_every_gpu_branch_was_rehearsed` (marker
-`rehearsal`) reads the record."""
+"""Issue 28: the T4 rehearsal. `PALIGEMMA_REHEARSE_GPU=t4` makes the CPU take every
+GPU branch with a T4's arithmetic (no native bf16: fp16 autocast and the loss scaler,
+bf16 checkpoints loaded as float32) on `cpu:0`, the device `pick_device` answers then,
+while plain "cpu" stays the CPU; `gpu_branch` is the one question a chapter asks,
+and each named branch taken is written to $PALIGEMMA_REHEARSAL_RECORD. `.ci/run` runs
+the chapters that have GPU branches that way, then `test_every_gpu_branch_was_rehearsed`
+(marker `rehearsal`) reads the record."""
 
 import json
 import os
@@ -22,6 +23,7 @@ from paligemma_lib.generation import (
     has_native_bf16,
     pick_device,
     rehearsal,
+    stands_in_for_gpu,
 )
 from paligemma_lib.train import autocast_dtype, grad_scaler, latest_checkpoint, train
 from paligemma_lib.weights import resolve_dtype
@@ -78,26 +80,35 @@ def test_without_the_switch_the_cpu_takes_no_gpu_branch(no_rehearsal):
 def test_the_cpu_rehearsing_a_t4_has_a_t4s_arithmetic(t4):
     """A T4 (compute capability 7.5) has no native bf16: pick_device keeps float32
     weights, training autocasts to fp16 with the scaler on, and a bf16 checkpoint
-    loads as float32, exactly as `autocast_dtype("cuda", native_bf16=False)` says"""
-    assert gpu_branch("cpu") and not gpu_branch("meta")
-    assert pick_device() == (torch.device("cpu"), torch.float32)
-    assert not has_native_bf16("cpu")
-    assert autocast_dtype("cpu") == autocast_dtype("cuda", native_bf16=False)
-    assert autocast_dtype("cpu") == torch.float16
-    assert grad_scaler("cpu").is_enabled()
-    assert resolve_dtype(None, "BF16", "cpu") == torch.float32
-    with train_module.autocast("cpu"):
+    loads as float32, exactly as `autocast_dtype("cuda", native_bf16=False)` says.
+    All on cpu:0, the stand-in; "cpu" asked for by name stays the CPU, in fp32"""
+    stand_in = torch.device("cpu", 0)
+    assert pick_device() == (stand_in, torch.float32)
+    assert stands_in_for_gpu(stand_in) and gpu_branch(stand_in)
+    assert not stands_in_for_gpu("cpu") and not gpu_branch("cpu")
+    assert not gpu_branch("meta") and not has_native_bf16(stand_in)
+    assert autocast_dtype(stand_in) == autocast_dtype("cuda", native_bf16=False)
+    assert autocast_dtype(stand_in) == torch.float16
+    assert grad_scaler(stand_in).is_enabled()
+    assert resolve_dtype(None, "BF16", stand_in) == torch.float32
+    with train_module.autocast(stand_in):
         product = torch.randn(4, 8) @ torch.randn(8, 4)
     assert product.dtype == torch.float16  # autocast reached the CPU's matmul
+    # the CPU by name: as without the rehearsal
+    assert has_native_bf16("cpu") and autocast_dtype("cpu") is None
+    assert not grad_scaler("cpu").is_enabled()
+    assert resolve_dtype(None, "BF16", "cpu") == torch.bfloat16
 
 
 def test_a_branch_taken_is_recorded(t4, monkeypatch, tmp_path):
     record = tmp_path / "record.txt"
     monkeypatch.setenv(REHEARSAL_RECORD, str(record))
-    assert gpu_branch("cpu", "first") and gpu_branch("cpu") and gpu_branch("cpu", "2")
+    stand_in = pick_device()[0]
+    assert gpu_branch(stand_in, "first") and gpu_branch(stand_in)
+    assert gpu_branch(stand_in, "2") and not gpu_branch("cpu", "the CPU")
     assert record.read_text().splitlines() == ["first", "2"]
     monkeypatch.delenv(REHEARSAL)
-    assert not gpu_branch("cpu", "not taken")
+    assert not gpu_branch(stand_in, "not taken")
     assert record.read_text().splitlines() == ["first", "2"]
 
 
@@ -116,7 +127,7 @@ def test_chapters_ask_gpu_branch_and_name_each_branch():
 
 
 def test_fp16_training_resumes_bit_for_bit(t4, monkeypatch, tmp_path):
-    """The real loop on the CPU with fp16 autocast and the loss scaler: a run stopped
+    """The real loop on cpu:0 with fp16 autocast and the loss scaler: a run stopped
     after step 5 and resumed from its step-4 checkpoint ends with the weights and the
     history of an uninterrupted run. The scaler starts at 2^18, so it skips the
     first steps (gradients overflow fp16) and halves to 2^16: its state at the
@@ -127,8 +138,12 @@ def test_fp16_training_resumes_bit_for_bit(t4, monkeypatch, tmp_path):
         "grad_scaler",
         lambda device: torch.amp.GradScaler("cpu", init_scale=2.0**18),
     )
+    stand_in = pick_device()[0]  # cpu:0, playing a T4
+    assert autocast_dtype(stand_in) == torch.float16
     uninterrupted = toy_model()
-    expected = train(uninterrupted, DATA, flipping_collate, SMALL, progress=False)
+    expected = train(
+        uninterrupted, DATA, flipping_collate, SMALL, device=stand_in, progress=False
+    )
     # the scaler skipped steps: an inf norm marks each
     assert not all(map(torch.isfinite, torch.tensor(expected["grad_norm"])))
 
@@ -143,6 +158,7 @@ def test_fp16_training_resumes_bit_for_bit(t4, monkeypatch, tmp_path):
             flipping_collate,
             SMALL,
             out_dir=tmp_path,
+            device=stand_in,
             progress=False,
             on_step=stop,
         )
@@ -155,6 +171,7 @@ def test_fp16_training_resumes_bit_for_bit(t4, monkeypatch, tmp_path):
         SMALL,
         out_dir=tmp_path,
         resume=True,
+        device=stand_in,
         progress=False,
     )
     assert history["loss"] == expected["loss"]
