@@ -58,7 +58,7 @@ from safetensors import SafetensorError
 
 from . import __version__
 from .demo import MAX_IMAGE_PIXELS, check_image_pixels
-from .generation import TruncatedAnswerWarning, answer
+from .generation import TruncatedAnswerWarning, answer, gpu_branch
 from .paligemma import PaliGemmaForConditionalGeneration
 from .processing import (
     SHIPPED,
@@ -555,7 +555,7 @@ def batch_workers(asked: int | None, device: torch.device) -> int:
         if asked < 0:
             raise ValueError(f"--workers must be 0 or more, got {asked}")
         return asked
-    if device.type == "cpu":
+    if not gpu_branch(device):  # the CPU computes; on a GPU, workers draw the data
         return 0
     return max(0, min(8, (os.cpu_count() or 1) - 1))
 
@@ -566,6 +566,7 @@ def train_command(args: argparse.Namespace, argv) -> int:
     from .train import (
         MODEL_SIZES,
         TrainConfig,
+        autocast_dtype,
         init_distributed,
         latest_checkpoint,
         make_evaluator,
@@ -684,6 +685,7 @@ def train_command(args: argparse.Namespace, argv) -> int:
         workers=batch_workers(args.workers, device),
     )
     if rank == 0:
+        autocast = autocast_dtype(device)
         if lora is not None:
             save_adapter(model, out)
         else:
@@ -691,6 +693,8 @@ def train_command(args: argparse.Namespace, argv) -> int:
         record = {
             "command": "python -m paligemma_lib " + " ".join(map(str, argv)),
             "device": device_description(device),
+            # the 16-bit type the steps computed in (None: fp32 throughout)
+            "autocast": autocast and str(autocast).removeprefix("torch."),
             "processes": world_size,
             "model": args.config or str(args.model),
             "fine-tuned from": args.model,

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .config import PaliGemmaConfig
-from .generation import has_native_bf16
+from .generation import has_native_bf16, pick_device
 from .paligemma import PaliGemmaForConditionalGeneration
 from .processing import read_json, resolve_model_path
 
@@ -292,10 +292,12 @@ def resolve_dtype(dtype, stored_dtype: str, device=None) -> torch.dtype:
 
 
 def resolve_device(device) -> torch.device:
-    "None -> cpu; 'auto' -> cuda if available, else cpu; else as torch.device reads it"
-    if device is None or device == "auto":
-        cuda = device == "auto" and torch.cuda.is_available()
-        return torch.device("cuda" if cuda else "cpu")
+    """None -> cpu; 'auto' -> `pick_device`'s (cuda if available, else cpu; cpu:0
+    while the CPU rehearses a T4, chapter 8); else as torch.device reads it"""
+    if device is None:
+        return torch.device("cpu")
+    if device == "auto":
+        return pick_device()[0]
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):

@@ -3,6 +3,8 @@ one line and exit status 1."""
 
 import argparse
 import json
+import math
+import os
 import re
 import shutil
 import signal
@@ -811,6 +813,27 @@ def test_train_says_what_it_wrote_and_where_it_resumed(tmp_path):
     assert run.stdout.strip().endswith(
         f"LoRA adapter and training record written to {adapter}"
     )
+
+
+def test_train_rehearses_a_t4_on_the_cpu(tmp_path):
+    """Issue 28: with PALIGEMMA_REHEARSE_GPU=t4, `--device auto` is cpu:0 standing in
+    for a T4: fp16 autocast with the loss scaler, the GPU's default of data workers;
+    the record says which arithmetic trained the model"""
+    env = {**os.environ, "PALIGEMMA_REHEARSE_GPU": "t4"}
+    out = tmp_path / "t4"
+    run = subprocess.run(
+        [sys.executable, "-m", "paligemma_lib", "train", "--config", "tiny",
+         "--out", str(out), "--batch-size", "2", "--eval-size", "1", "--steps", "2",
+         "--no-progress"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    record = json.loads((out / "training_record.json").read_text())
+    assert record["autocast"] == "float16"
+    assert all(math.isfinite(x) for x in record["history"]["loss"])
+    plain = tmp_path / "plain"
+    assert tiny_run(plain, "--steps", "1").returncode == 0
+    assert json.loads((plain / "training_record.json").read_text())["autocast"] is None
 
 
 def test_ctrl_c_during_training_names_the_checkpoint_and_resume(tmp_path):
