@@ -506,6 +506,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
             'paligemma_lib.quantize': { 'paligemma_lib.quantize.Int8Linear': ('int8.html#int8linear', 'paligemma_lib/quantize.py'),
                                         'paligemma_lib.quantize.Int8Linear.__init__': ( 'int8.html#int8linear.__init__',
                                                                                         'paligemma_lib/quantize.py'),
+                                        'paligemma_lib.quantize.Int8Linear.cast_product': ( 'int8.html#int8linear.cast_product',
+                                                                                            'paligemma_lib/quantize.py'),
                                         'paligemma_lib.quantize.Int8Linear.dequantize': ( 'int8.html#int8linear.dequantize',
                                                                                           'paligemma_lib/quantize.py'),
                                         'paligemma_lib.quantize.Int8Linear.extra_repr': ( 'int8.html#int8linear.extra_repr',

@@ -87,11 +87,20 @@ class Int8Linear(nn.Module):
             rows = x.reshape(-1, self.in_features).contiguous()  # [M, in]
             y = torch._weight_int8pack_mm(rows, self.weight_int8, self.weight_scale)
             y = y.reshape(*x.shape[:-1], self.out_features)
-        else:  # the scale is per output: out of the sum over inputs, onto the output
-            y = F.linear(x, self.weight_int8.to(x.dtype)) * self.weight_scale.to(
-                x.dtype
-            )
+        else:
+            y = self.cast_product(x)
         return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def cast_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ (q * scale)^T through the codes cast to x's dtype: the route of a GPU,
+        of float32, and of widths the CPU kernel does not take. The scale is per
+        output, so it comes out of the sum onto the output, except in float16: there
+        the sum of x times codes up to 127 would be 127/max|W| times the output and
+        overflow, so the codes are scaled first, a weight of the output's size"""
+        codes, scale = self.weight_int8.to(x.dtype), self.weight_scale.to(x.dtype)
+        if x.dtype == torch.float16:
+            return F.linear(x, codes.mul_(scale[:, None]))  # [.., out]
+        return F.linear(x, codes) * scale  # [.., out]
 
     def extra_repr(self) -> str:
         return (

@@ -245,3 +245,77 @@ def test_16_bit_activations_on_a_cpu_take_the_int8_kernel(dtype, n, monkeypatch)
     # (the product's output, the scaling, the bias)
     allowed = (n * 2.0**-24 + 3 * u[dtype]) * size
     assert ((y.double() - exact).abs() <= allowed).all()
+
+
+def fp16_bound(x: torch.Tensor, layer: Int8Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the float64 product of x and the layer's codes times scales, what it may be
+    off by in float16): each weight q*s rounded once to float16 (u = 2^-11), a float32
+    sum of n products (the CPU's float16 products, and cuBLAS's, accumulate in float32),
+    the output rounded once to float16; 1.001 for the products of small terms"""
+    w64 = layer.weight_int8.double() * layer.weight_scale.double()[:, None]
+    exact = F.linear(x.double(), w64)
+    size = F.linear(x.double().abs(), w64.abs())
+    return exact, (2 * 2.0**-11 + layer.in_features * U32) * size * 1.001
+
+
+def test_float16_cast_route_does_not_overflow():
+    """Issue 28's reproduction: with the scale applied after the sum, the sum of x
+    times codes up to 127 is 127/max|W| times the output, and float16 overflows (39
+    infinities here where the largest output is 75). Seen to catch: cast_product
+    scaling the output in float16 as in the other dtypes."""
+    torch.manual_seed(0)
+    linear = nn.Linear(2056, 64, bias=False)  # 2056 % 16 != 0: the cast route
+    nn.init.normal_(linear.weight, std=0.02)
+    layer = Int8Linear.from_linear(linear.half())
+    x = (30 * torch.randn(4, 2056)).half()
+    with torch.no_grad():
+        y = layer(x)
+    exact, allowed = fp16_bound(x, layer)
+    unscaled = F.linear(x.double(), layer.weight_int8.double())
+    assert unscaled.abs().max() > torch.finfo(torch.float16).max  # the old route: inf
+    assert exact.abs().max() < 100
+    assert torch.isfinite(y).all()
+    assert ((y.double() - exact).abs() <= allowed).all()
+
+
+def test_float16_routes_on_activations_of_a_real_forward():
+    """Realistic magnitudes: the inputs every decoder Linear of the shipped nano model
+    sees in a float16 forward of four test scenes (recorded by hooks), through both
+    routes, the CPU's int8 kernel (nano's widths are multiples of 16) and the cast
+    route a GPU takes, each against float64 of the same codes and scales. (On nano
+    the old route stayed finite: its largest sum before the scale was about 24,000,
+    37% of float16's limit; the reproduction above is what overflows.)"""
+    model = load_pretrained("nano").to(torch.float16).eval()
+    processor = PaliGemmaProcessor.from_pretrained("nano")
+    scenes = SyntheticDataset({"shapes": 1}, split="test", size=4)
+    images, prompts, _ = zip(*(scenes[i] for i in range(4)))
+    batch = processor(list(images), list(prompts))
+    names = quantize_int8(model)
+    seen = {}
+    hooks = [
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda module, args, name=name: seen.setdefault(name, args[0].clone())
+        )
+        for name in names
+    ]
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids,
+            pixel_values=batch.pixel_values.half(),
+            attention_mask=batch.attention_mask,
+            token_type_ids=batch.token_type_ids,
+        ).logits
+    for hook in hooks:
+        hook.remove()
+    assert torch.isfinite(logits).all() and sorted(seen) == sorted(names)
+    largest = max(x.abs().max().item() for x in seen.values())
+    assert largest > 10  # float16 activations of a real model, not unit-sized ones
+    for name, x in seen.items():
+        layer = model.get_submodule(name)
+        exact, allowed = fp16_bound(x, layer)
+        with torch.no_grad():
+            routes = {"kernel": layer(x), "cast": layer.cast_product(x)}
+        for route, y in routes.items():
+            assert y.dtype == torch.float16, (name, route)
+            # the kernel scales after its float32 sum: one rounding fewer, same bound
+            assert ((y.double() - exact).abs() <= allowed).all(), (name, route)
