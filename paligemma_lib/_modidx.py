@@ -475,6 +475,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                    'paligemma_lib/processing.py'),
                                           'paligemma_lib.processing.image_levels': ( 'images_to_patches.html#image_levels',
                                                                                      'paligemma_lib/processing.py'),
+                                          'paligemma_lib.processing.level_constants': ( 'images_to_patches.html#level_constants',
+                                                                                        'paligemma_lib/processing.py'),
                                           'paligemma_lib.processing.load_image': ( 'images_to_patches.html#load_image',
                                                                                    'paligemma_lib/processing.py'),
                                           'paligemma_lib.processing.normalize_levels': ( 'images_to_patches.html#normalize_levels',

@@ -3,9 +3,9 @@
 # %% auto #0
 __all__ = ['IMAGE_MEAN', 'IMAGE_STD', 'RESAMPLE', 'to_rgb', 'too_many_pixels',
            'load_image', 'resize_bilinear', 'resize_to_square',
-           'image_levels', 'normalize_levels', 'process_images',
-           'IMAGE_TOKEN', 'LOC_TOKENS', 'SEG_TOKENS', 'SHIPPED',
-           'NUM_LOC_BINS', 'BOX_COLOURS', 'tokenizer_corpus',
+           'image_levels', 'level_constants', 'normalize_levels',
+           'process_images', 'IMAGE_TOKEN', 'LOC_TOKENS', 'SEG_TOKENS',
+           'SHIPPED', 'NUM_LOC_BINS', 'BOX_COLOURS', 'tokenizer_corpus',
            'train_tokenizer', 'GemmaTokenizer', 'default_tokenizer_path',
            'PaliGemmaBatch', 'pad_sequences', 'PaliGemmaProcessor',
            'shipped_model_path', 'resolve_model_path', 'read_json',
@@ -153,19 +153,37 @@ def image_levels(images, image_size: int = 224, resample: str = "bicubic"):
     return torch.stack(resized).to(torch.uint8)  # whole levels 0..255: exact
 
 
+_LEVEL_CONSTANTS = {}  # (mean, std, device) -> 255, mean, std: [1, 3, 1, 1] float32
+
+
+def level_constants(mean, std, device) -> tuple[torch.Tensor, ...]:
+    """255, mean and std as float32 [1, 3, 1, 1] tensors on `device`, made once per
+    device. Dividing by a tensor on the device is a true division everywhere; CUDA
+    multiplies by the reciprocal of a Python number instead, and x * fl(1/255)
+    differs from x / 255 in the last bit for 126 of the 256 levels"""
+    key = (tuple(mean), tuple(std), torch.device(device))
+    if key not in _LEVEL_CONSTANTS:
+        with torch.inference_mode(False):  # usable where autograd records too
+            _LEVEL_CONSTANTS[key] = tuple(
+                torch.tensor(v, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+                for v in [(255.0,) * 3, mean, std]
+            )
+    return _LEVEL_CONSTANTS[key]
+
+
 def normalize_levels(levels: torch.Tensor, mean=IMAGE_MEAN, std=IMAGE_STD):
     """8-bit levels [B, 3, H, W] -> float32 (levels / 255 - mean) / std, on the
-    levels' device: in [-1, 1] with the default mean and std"""
+    levels' device: in [-1, 1] with the default mean and std; the same bits on
+    every device"""
     if levels.dtype != torch.uint8 or levels.ndim != 4 or levels.shape[1] != 3:
         raise ValueError(
             f"levels has dtype {levels.dtype} and shape {list(levels.shape)}; "
             f"expected uint8 [batch, 3, height, width] (image_levels makes them)"
         )
     pixels = levels.to(torch.float32)  # one conversion, a new tensor
-    mean = torch.tensor(mean, dtype=torch.float32, device=levels.device)
-    std = torch.tensor(std, dtype=torch.float32, device=levels.device)
+    full, mean, std = level_constants(mean, std, levels.device)
     # in place: the same float32 operations as (x / 255 - mean) / std, in that order
-    return pixels.div_(255.0).sub_(mean.view(1, 3, 1, 1)).div_(std.view(1, 3, 1, 1))
+    return pixels.div_(full).sub_(mean).div_(std)
 
 
 def process_images(

@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 from test_paligemma import tiny_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paligemma_lib.data import Collator, SyntheticDataset
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
@@ -115,3 +116,42 @@ def test_synthetic_batches_as_levels_are_the_float_batches():
     levels = Collator(nano, pixels="uint8")(examples)
     assert levels.pixel_values.element_size() * 4 == floats.pixel_values.element_size()
     assert torch.equal(normalize_levels(levels.pixel_values), floats.pixel_values)
+
+
+class OpsSeen(TorchDispatchMode):
+    "Records (op name, its arguments) of every aten operation run inside it"
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((func.overloadpacket.__name__, args))
+        return func(*args, **(kwargs or {}))
+
+
+def test_normalisation_divides_by_tensors_on_the_levels_device():
+    """Issue 28: CUDA's division turns a Python-number divisor into a multiplication by
+    its reciprocal, and x * float32(1/255) differs from x / 255 for 126 of the 256
+    levels: a normalisation dividing by 255.0 was bit-exact on the CPU only. Every
+    division `normalize_levels` runs takes a tensor on the levels' device (a true
+    division on every device), and the constants are made once per device, not
+    copied there at each call. Seen to catch: `pixels.div_(255.0)`."""
+    x = torch.arange(256, dtype=torch.float32)
+    emulated = x * torch.tensor(1 / 255, dtype=torch.float32)  # CUDA's scalar path
+    assert int((emulated != x / 255).sum()) == 126
+    levels = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).repeat(2, 3, 1, 1)
+    normalize_levels(levels)  # the constants of this device are made here, once
+    with OpsSeen() as seen:
+        pixels = normalize_levels(levels)
+    names = [name for name, _ in seen.ops]
+    assert names == ["_to_copy", "div_", "sub_", "div_"], names  # nothing else made
+    for name, args in seen.ops[1:]:
+        assert all(isinstance(a, torch.Tensor) for a in args), (name, args)
+        assert all(a.device == levels.device and a.dim() == 4 for a in args), name
+    # the true quotient for every level, each channel: not the reciprocal's
+    expected = (x / 255 - 0.5) / 0.5
+    assert torch.equal(
+        pixels[:, :, :, :].reshape(2, 3, 256), expected.expand(2, 3, 256)
+    )
+    assert not torch.equal(expected, (emulated - 0.5) / 0.5)
