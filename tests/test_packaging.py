@@ -185,3 +185,23 @@ def test_floor_constraints_pin_exactly_the_floors():
             f"{name}: pyproject.toml's floor is {version}, "
             f"constraints-floor.txt pins {pins[name]}"
         )
+
+
+def test_readers_environment_installs_what_a_reader_does():
+    """Issue 28: .ci/readers_env installs the library with the extra the setup cell
+    installs, and only the test runner besides (a package it added, playwright once,
+    would hide a chapter that fails for readers without it)"""
+    script = (ROOT / ".ci" / "readers_env").read_text()
+    installs = [
+        line.split()
+        for line in script.splitlines()
+        if line.startswith("python -m pip install") and "-e" in line.split()
+    ]
+    assert len(installs) == 1, installs
+    words = installs[0]
+    extra = words[words.index("-e") + 1].strip("'\"")
+    setup = (ROOT / "tools" / "setup_cell.py").read_text()
+    assert re.search(r"paligemma_lib\[(\w+)\]", setup).group(1) == "chapters"
+    assert extra == ".[chapters]"
+    others = words[words.index("-e") + 2 :]
+    assert sorted(others) == ["ipykernel", "nbval", "pytest"], others
