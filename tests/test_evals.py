@@ -76,3 +76,46 @@ def test_readme_numbers_are_the_fresh_evaluation():
     assert f"{cer:.1%} character error rate" in readme
     assert f"{receipts:.1%} of {n} whole answers exactly right" in readme
     assert f"test receipts {first}-{last}" in readme
+
+
+def test_the_fresh_record_names_the_files_it_scored():
+    """Issue 28: the record holds the commit and the sha256 of every file of the model
+    and the adapter it scored; the shipped files are still those (retrained weights
+    must be scored again, on new seeds)"""
+    record = json.loads(FRESH.read_text())
+    assert len(record["commit"]) == 40
+    files = evaluate_fresh.file_hashes()
+    assert {"nano/model.safetensors", "receipts/adapter_model.safetensors"} <= set(
+        files
+    )
+    assert record["files"] == files, "the shipped files changed since the evaluation"
+
+
+def test_reported_seeds_are_refused_for_other_files(tmp_path):
+    """Issue 28: test seeds are spent once reported: scoring other files on them is
+    refused with the way out (--start past them); the same files, or seeds past the
+    record, pass"""
+    assets = tmp_path / "assets"
+    for folder in evaluate_fresh.SCORED:
+        (assets / folder).mkdir(parents=True)
+        (assets / folder / "weights.bin").write_bytes(folder.encode())
+    files = evaluate_fresh.file_hashes(assets)
+    assert sorted(files) == ["nano/weights.bin", "receipts/weights.bin"]
+    results = tmp_path / "results"
+    results.mkdir()
+    record = {"test indices": [5000, 5299], "files": files}
+    (results / "fresh-test-20990101.json").write_text(json.dumps(record))
+    evaluate_fresh.check_seeds_unused(5000, 5299, files, results)  # a re-run
+    evaluate_fresh.check_seeds_unused(5300, 5599, files, results)  # new seeds
+    (assets / "nano" / "weights.bin").write_bytes(b"retrained")
+    changed = evaluate_fresh.file_hashes(assets)
+    evaluate_fresh.check_seeds_unused(5300, 5399, changed, results)
+    for first, last in [(5000, 5099), (5200, 5400), (4000, 5000)]:
+        with pytest.raises(SystemExit, match=r"nano/weights.bin.*--start 5300"):
+            evaluate_fresh.check_seeds_unused(first, last, changed, results)
+    # a record that names no files spends its seeds for any files
+    (results / "fresh-test-20990101.json").write_text(
+        json.dumps({"test indices": [6000, 6099]})
+    )
+    with pytest.raises(SystemExit, match="--start 6100"):
+        evaluate_fresh.check_seeds_unused(6050, 6060, files, results)

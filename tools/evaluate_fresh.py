@@ -1,9 +1,13 @@
 # Hand-written, not exported from a notebook.
 """The shipped models on test seeds that no choice ever looked at, on the CPU, once.
 
-    python tools/evaluate_fresh.py [--n 400] [--out FILE]
+    python tools/evaluate_fresh.py [--n 400] [--start 5000] [--out FILE]
 
-writes benchmarks/results/fresh-test-DATE.json unless --out says otherwise.
+writes benchmarks/results/fresh-test-DATE.json unless --out says otherwise, with the git
+commit and the sha256 of every file of the shipped model and adapter it scored. Test
+seeds are used once: it refuses to score files other than those a record in
+benchmarks/results/ already scored on the same test indices (retrained weights need new
+seeds: --start past the last index reported).
 
 Which seeds were used for what (indices into the test split, `SPLITS["test"]`):
 - 0-479 (shapes) and 0-199 (OCR, receipts): the GPU tools' test evaluations, made when
@@ -18,7 +22,9 @@ examples its training run evaluated with a 32-token cap (the record's 0.047), he
 """
 
 import argparse
+import hashlib
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -30,6 +36,8 @@ from paligemma_lib.lora import load_adapter
 from paligemma_lib.train import compute_metrics, predict
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SCORED = ("nano", "receipts")  # the folders of paligemma_lib/assets/ scored here
 FRESH_START = 5000  # the first test index no evaluation had used (see above)
 SHAPES_TASKS = ("caption", "count", "colour", "detect")
 MAX_NEW_TOKENS = 64  # a receipt's JSON is about 35 tokens; the longest answers here
@@ -58,6 +66,58 @@ def fresh(world: str, n: int, task=None, start: int = FRESH_START) -> Slice:
     return Slice(SyntheticDataset(world, "test", task=task), start, n)
 
 
+def file_hashes(assets: Path = ROOT / "paligemma_lib" / "assets") -> dict:
+    "{'nano/model.safetensors': sha256 hex, ...}: every file of the scored folders"
+    return {
+        f"{folder}/{path.name}": hashlib.sha256(path.read_bytes()).hexdigest()
+        for folder in SCORED
+        for path in sorted((assets / folder).iterdir())
+        if path.is_file()
+    }
+
+
+def git_commit() -> str | None:
+    "HEAD's commit, '+changes' appended when the tracked files differ from it"
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+    except FileNotFoundError:  # no git on this machine
+        return None
+    if head.returncode != 0:  # not a checkout
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def check_seeds_unused(first: int, last: int, files: dict, results=RESULTS) -> None:
+    """Refuse test indices first..last when a record in `results` reported any of
+    them for other files (or for files it did not name): a reported seed is spent"""
+    for record_path in sorted(Path(results).glob("fresh-test-*.json")):
+        record = json.loads(record_path.read_text())
+        done_first, done_last = record["test indices"]
+        if last < done_first or first > done_last:
+            continue
+        if record.get("files") == files:  # the same weights: a re-run, not a new score
+            continue
+        changed = sorted(
+            name
+            for name in files.keys() | record.get("files", {}).keys()
+            if files.get(name) != record.get("files", {}).get(name)
+        )
+        named = ", ".join(changed) or "not named there"
+        raise SystemExit(
+            f"test indices {done_first}-{done_last} were reported in "
+            f"{record_path.name} for other model files ({named}); "
+            f"score these on new seeds: --start {done_last + 1} or later"
+        )
+
+
 def run(model, processor, dataset, batch_size: int) -> dict:
     begin = time.time()
     rows = predict(model, processor, dataset, batch_size, MAX_NEW_TOKENS)
@@ -71,6 +131,9 @@ def run(model, processor, dataset, batch_size: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=400, help="test examples per task")
+    parser.add_argument(
+        "--start", type=int, default=FRESH_START, help="the first test index scored"
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument(
         "--out",
@@ -80,11 +143,20 @@ def main() -> int:
         / f"fresh-test-{time.strftime('%Y%m%d')}.json",
     )
     args = parser.parse_args()
+    if args.start < FRESH_START:
+        parser.error(
+            f"--start {args.start}: indices below {FRESH_START} were chosen on"
+        )
+    first, last = args.start, args.start + args.n - 1
+    files = file_hashes()
+    check_seeds_unused(first, last, files)
     torch.manual_seed(0)
     result = {
-        "command": f"python tools/evaluate_fresh.py --n {args.n}",
+        "command": f"python tools/evaluate_fresh.py --n {args.n} --start {args.start}",
+        "commit": git_commit(),
+        "files": files,
         "split": "test",
-        "test indices": [FRESH_START, FRESH_START + args.n - 1],
+        "test indices": [first, last],
         "max_new_tokens": MAX_NEW_TOKENS,
         "device": "cpu",
         "torch": torch.__version__,
@@ -105,17 +177,18 @@ def main() -> int:
 
     model = load_pretrained("nano").eval()
     for task in SHAPES_TASKS:
-        dataset = fresh("shapes", args.n, task)
+        dataset = fresh("shapes", args.n, task, args.start)
         result["nano"][task] = run(model, processor, dataset, args.batch_size)
         print(task, result["nano"][task]["metrics"], flush=True)
         save()
-    result["nano"]["ocr"] = run(model, processor, fresh("ocr", args.n), args.batch_size)
+    ocr = fresh("ocr", args.n, start=args.start)
+    result["nano"]["ocr"] = run(model, processor, ocr, args.batch_size)
     print("ocr", result["nano"]["ocr"]["metrics"], flush=True)
     save()
 
     load_adapter(model, "receipts")
     result["receipts"] = run(
-        model, processor, fresh("receipts", args.n), args.batch_size
+        model, processor, fresh("receipts", args.n, start=args.start), args.batch_size
     )
     print("receipts test", result["receipts"]["metrics"], flush=True)
     save()
