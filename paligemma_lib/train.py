@@ -39,7 +39,12 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from .config import PaliGemmaConfig, TextConfig, VisionConfig
-from .generation import answer, gpu_branch, has_native_bf16
+from paligemma_lib.generation import (
+    TruncatedAnswerWarning,
+    answer,
+    gpu_branch,
+    has_native_bf16,
+)
 from paligemma_lib.lora import (
     ADAPTER_WEIGHTS,
     adapted_module,
@@ -629,16 +634,19 @@ def predict(
     limit=None,
 ) -> list[dict]:
     """Greedy answers to the first `limit` examples (all if None) ->
-    [{"prompt", "answer", "prediction"}], in the dataset's order"""
+    [{"prompt", "answer", "prediction"}], in the dataset's order. An answer cut at
+    max_new_tokens is graded as it stands: no TruncatedAnswerWarning for it"""
     model.eval()
     n = len(dataset) if limit is None else min(limit, len(dataset))
     rows = []
     for start in range(0, n, batch_size):
         examples = [dataset[i] for i in range(start, min(start + batch_size, n))]
         images, prompts, answers = (list(column) for column in zip(*examples))
-        predictions = answer(
-            model, processor, images, prompts, max_new_tokens=max_new_tokens
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TruncatedAnswerWarning)
+            predictions = answer(
+                model, processor, images, prompts, max_new_tokens=max_new_tokens
+            )
         rows += [
             {"prompt": p, "answer": a, "prediction": q}
             for p, a, q in zip(prompts, answers, predictions)

@@ -1,7 +1,9 @@
 """The rendered book in the system Chromium, after `jupyter-book build --all -W .`:
 every chapter's page loads with no broken image, its maths rendered as SVG, no
-traceback in a cell's output, no code block wider than its column. One screenshot per
-chapter, in _build/screenshots/. Run by .ci/run after the build: pytest -m book."""
+traceback in a cell's output, no code block wider than its column, and none of the
+notebook's noise (issue 29): no stderr box (progress bars, warnings), no path of the
+machine that built it, no object repr, no nbdev `#| default_exp` cell. One screenshot
+per chapter, in _build/screenshots/. Run by .ci/run after the build: pytest -m book."""
 
 from pathlib import Path
 
@@ -58,6 +60,11 @@ PROSE = """() => {
 }"""
 OUTPUTS = """() => [...document.querySelectorAll('.cell_output')]
     .map(el => el.innerText)"""
+STDERR = """() => [...document.querySelectorAll('.cell_output .stderr, .output.stderr')]
+    .map(el => el.innerText.slice(0, 200))"""
+ARTICLE = "() => (document.querySelector('article') || document.body).innerText"
+# in an output: a temporary folder, the checkout that built the book, an object's repr
+MACHINE = ("/tmp/", str(ROOT), " at 0x", "ipykernel_")
 WIDE_CODE = """() => [...document.querySelectorAll('div.highlight pre')]
     .filter(pre => !pre.closest('.cell_output') && pre.clientWidth > 0)
     .filter(pre => pre.scrollWidth > pre.clientWidth + 1)
@@ -84,6 +91,10 @@ def test_chapter_page(browser, chapter):
         assert raw not in prose, f"raw maths {raw!r} left in the text"
     for output in page.evaluate(OUTPUTS):
         assert "Traceback (most recent call last)" not in output, output[-500:]
+        for trace in MACHINE:
+            assert trace not in output, f"{trace!r} in an output: {output[:300]}"
+    assert page.evaluate(STDERR) == [], "stderr boxes (warnings, progress bars)"
+    assert "#| default_exp" not in page.evaluate(ARTICLE), "nbdev's cell shown"
     assert page.evaluate(WIDE_CODE) == [], "code lines wider than the column"
     assert outside == [], f"the page asked the network for {outside}"
     page.close()
