@@ -7,13 +7,14 @@ the chapters that have GPU branches that way, then `test_every_gpu_branch_was_re
 (marker `rehearsal`) reads the record."""
 
 import json
+import math
 import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from test_train import DATA, SMALL, flipping_collate, toy_model
+from test_train import stopped_and_resumed
 
 from paligemma_lib import train as train_module
 from paligemma_lib.generation import (
@@ -25,7 +26,7 @@ from paligemma_lib.generation import (
     rehearsal,
     stands_in_for_gpu,
 )
-from paligemma_lib.train import autocast_dtype, grad_scaler, latest_checkpoint, train
+from paligemma_lib.train import autocast_dtype, grad_scaler
 from paligemma_lib.weights import resolve_dtype
 
 BOOK = Path(__file__).resolve().parents[1] / "book"
@@ -140,40 +141,11 @@ def test_fp16_training_resumes_bit_for_bit(t4, monkeypatch, tmp_path):
     )
     stand_in = pick_device()[0]  # cpu:0, playing a T4
     assert autocast_dtype(stand_in) == torch.float16
-    uninterrupted = toy_model()
-    expected = train(
-        uninterrupted, DATA, flipping_collate, SMALL, device=stand_in, progress=False
+    uninterrupted, expected, resumed, history = stopped_and_resumed(
+        tmp_path, device=stand_in
     )
     # the scaler skipped steps: an inf norm marks each
-    assert not all(map(torch.isfinite, torch.tensor(expected["grad_norm"])))
-
-    def stop(step, loss):
-        if step == 5:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train(
-            toy_model(),
-            DATA,
-            flipping_collate,
-            SMALL,
-            out_dir=tmp_path,
-            device=stand_in,
-            progress=False,
-            on_step=stop,
-        )
-    assert latest_checkpoint(tmp_path).name == "step-0000004"
-    resumed = toy_model(seed=1)  # the checkpoint replaces these weights
-    history = train(
-        resumed,
-        DATA,
-        flipping_collate,
-        SMALL,
-        out_dir=tmp_path,
-        resume=True,
-        device=stand_in,
-        progress=False,
-    )
+    assert not all(map(math.isfinite, expected["grad_norm"]))
     assert history["loss"] == expected["loss"]
     assert history["grad_norm"] == expected["grad_norm"]
     for (name, p), q in zip(uninterrupted.named_parameters(), resumed.parameters()):

@@ -279,37 +279,32 @@ def flipping_collate(examples):
     return collate(list(zip(images, prompts, answers)))
 
 
-def test_a_resumed_run_ends_bit_for_bit_equal(tmp_path):
-    """Bit for bit: the same fp32 operations in the same order on the same CPU. Seen
-    to catch: `set_rng_states` made a no-op (the random flips differ after resume)."""
+def stopped_and_resumed(tmp_path, **train_kw):
+    """The SMALL run on flipping_collate twice: uninterrupted, and stopped after step 5
+    then resumed from its step-4 checkpoint into other initial weights ->
+    (uninterrupted model, its history, resumed model, its history)"""
     uninterrupted = toy_model()
-    train(uninterrupted, DATA, flipping_collate, SMALL, progress=False)
+    expected = train(uninterrupted, DATA, flipping_collate, SMALL, progress=False,
+                     **train_kw)  # fmt: skip
 
     def stop(step, loss):
         if step == 5:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(
-            toy_model(),
-            DATA,
-            flipping_collate,
-            SMALL,
-            out_dir=tmp_path,
-            progress=False,
-            on_step=stop,
-        )
+        train(toy_model(), DATA, flipping_collate, SMALL, out_dir=tmp_path,
+              progress=False, on_step=stop, **train_kw)  # fmt: skip
     assert latest_checkpoint(tmp_path).name == "step-0000004"
     resumed = toy_model(seed=1)  # the checkpoint replaces these weights
-    history = train(
-        resumed,
-        DATA,
-        flipping_collate,
-        SMALL,
-        out_dir=tmp_path,
-        resume=True,
-        progress=False,
-    )
+    history = train(resumed, DATA, flipping_collate, SMALL, out_dir=tmp_path,
+                    resume=True, progress=False, **train_kw)  # fmt: skip
+    return uninterrupted, expected, resumed, history
+
+
+def test_a_resumed_run_ends_bit_for_bit_equal(tmp_path):
+    """Bit for bit: the same fp32 operations in the same order on the same CPU. Seen
+    to catch: `set_rng_states` made a no-op (the random flips differ after resume)."""
+    uninterrupted, _, resumed, history = stopped_and_resumed(tmp_path)
     assert history["step"] == [1, 2, 3, 4, 5, 6]
     for (name, p), q in zip(uninterrupted.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), name
