@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, fields
 
 
 def known_fields(cls, d: dict) -> dict:
-    "The entries of `d` that are fields of the dataclass `cls` (config.json has others)"
+    """The entries of `d` that are fields of the dataclass `cls` (config.json
+    has others)"""
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in d.items() if k in names}
 
@@ -36,9 +37,9 @@ class VisionConfig:
     def __post_init__(self):
         if self.image_size % self.patch_size:
             raise ValueError(
-                f"image_size {self.image_size} is not a multiple of patch_size "
-                f"{self.patch_size}: the patches would not tile the image; "
-                f"choose sizes that divide exactly"
+                f"image_size {self.image_size} is not a multiple of "
+                f"patch_size {self.patch_size}: the patches would not tile "
+                "the image; choose sizes that divide exactly"
             )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
@@ -48,8 +49,8 @@ class VisionConfig:
             )
         if self.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(
-                f"hidden_act {self.hidden_act!r}: only SigLIP's 'gelu_pytorch_tanh' "
-                f"is implemented"
+                f"hidden_act {self.hidden_act!r}: only SigLIP's "
+                "'gelu_pytorch_tanh' is implemented"
             )
 
     @property
@@ -58,12 +59,14 @@ class VisionConfig:
 
     @property
     def num_image_tokens(self) -> int:
-        "N: patches per image, also the number of image tokens the language model sees"
+        """N: patches per image, also the number of image tokens the language
+        model sees"""
         return self.num_patches_per_side**2
 
     @classmethod
     def from_hf(cls, d: dict) -> "VisionConfig":
-        "From the `vision_config` of a Hugging Face config.json (other keys ignored)"
+        """From the `vision_config` of a Hugging Face config.json (other keys
+        ignored)"""
         return cls(**known_fields(cls, d))
 
     def to_hf(self) -> dict:
@@ -72,8 +75,8 @@ class VisionConfig:
 # %% ../book/05_gemma_decoder.ipynb #c006
 @dataclass
 class TextConfig:
-    """Gemma decoder settings, named as in the `text_config` of a PaliGemma config.json;
-    the defaults are PaliGemma-3B's"""
+    """Gemma decoder settings, named as in the `text_config` of a PaliGemma
+    config.json; the defaults are PaliGemma-3B's"""
 
     vocab_size: int = 257216
     hidden_size: int = 2048
@@ -114,28 +117,31 @@ class TextConfig:
             smallest = 0 if name == "num_hidden_layers" else 1
             if not isinstance(value, int) or value < smallest:
                 raise ValueError(
-                    f"{name}={value!r}: it must be an integer of at least {smallest}"
+                    f"{name}={value!r}: it must be an integer of at least "
+                    f"{smallest}"
                 )
         H, K = self.num_attention_heads, self.num_key_value_heads
         if H % K:
             divisors = [n for n in range(1, H + 1) if H % n == 0]
             raise ValueError(
-                f"num_attention_heads {H} is not divisible by num_key_value_heads {K}: "
-                f"every key/value head serves the same number of query heads; "
-                f"choose num_key_value_heads among {divisors}"
+                f"num_attention_heads {H} is not divisible by "
+                f"num_key_value_heads {K}: every key/value head serves the "
+                "same number of query heads; choose num_key_value_heads "
+                f"among {divisors}"
             )
         if self.head_dim % 2:
             raise ValueError(
-                f"head_dim {self.head_dim} is odd: RoPE rotates pairs of dimensions, "
-                f"so head_dim must be even"
+                f"head_dim {self.head_dim} is odd: RoPE rotates pairs of "
+                "dimensions, so head_dim must be even"
             )
-        # "gelu" is the legacy name in Gemma's config files; it meant the tanh GELU.
+        # "gelu" is the legacy name in Gemma's config files; it meant the tanh
+        # GELU.
         if self.hidden_act == "gelu":
             self.hidden_act = "gelu_pytorch_tanh"
         if self.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(
-                f"hidden_act {self.hidden_act!r}: only Gemma's 'gelu_pytorch_tanh' "
-                f"is implemented"
+                f"hidden_act {self.hidden_act!r}: only Gemma's "
+                "'gelu_pytorch_tanh' is implemented"
             )
 
     @property
@@ -145,16 +151,19 @@ class TextConfig:
 
     @property
     def post_norms(self) -> bool:
-        "Gemma 2: four RMSNorms per layer, two of them on the sublayers' outputs"
+        """Gemma 2: four RMSNorms per layer, two of them on the sublayers'
+        outputs"""
         return self.model_type == "gemma2"
 
     @property
     def attention_scale(self) -> float:
-        "What the queries are multiplied by: query_pre_attn_scalar ** -0.5, else d_h's"
+        """What the queries are multiplied by: query_pre_attn_scalar ** -0.5,
+        else d_h's"""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def is_sliding(self, layer_idx: int) -> bool:
-        "Whether layer `layer_idx` is local: it sees only the last sliding_window keys"
+        """Whether layer `layer_idx` is local: it sees only the last
+        sliding_window keys"""
         return (
             self.sliding_window is not None
             and self.layer_types is not None
@@ -164,30 +173,35 @@ class TextConfig:
 
 @dataclass
 class Gemma2TextConfig(TextConfig):
-    """Gemma 2 decoder settings (`text_config` with model_type "gemma2"); the defaults
-    are PaliGemma 2 3B's and transformers' Gemma2Config's"""
+    """Gemma 2 decoder settings (`text_config` with model_type "gemma2"); the
+    defaults are PaliGemma 2 3B's and transformers' Gemma2Config's"""
 
     model_type = "gemma2"
     hidden_size: int = 2304
     intermediate_size: int = 9216
     num_hidden_layers: int = 26
     num_key_value_heads: int = 4
-    query_pre_attn_scalar: float = 256  # queries times its ** -0.5 (Gemma: d_h's)
+    # queries times its ** -0.5 (Gemma: d_h's)
+    query_pre_attn_scalar: float = 256
     attn_logit_softcapping: float = 50.0  # cap * tanh(score / cap), None: off
     final_logit_softcapping: float = 30.0  # the same on the LM head's logits
     sliding_window: int = 4096  # how many keys a local layer's query sees
-    layer_types: list = None  # per layer "sliding_attention" or "full_attention"
+    # per layer "sliding_attention" or "full_attention"
+    layer_types: list = None
 
     def __post_init__(self):
         super().__post_init__()
         self._check_gemma2_settings()
 
     def _check_gemma2_settings(self):
-        "Caps, scalar and window positive (or None); layer types alternate by default"
+        """Caps, scalar and window positive (or None); layer types alternate by
+        default"""
         for name in GEMMA2_FIELDS[:-1]:
             value = getattr(self, name)
             if value is not None and not value > 0:
-                raise ValueError(f"{name}={value!r}: it must be positive, or None")
+                raise ValueError(
+                    f"{name}={value!r}: it must be positive, or None"
+                )
         L = self.num_hidden_layers
         if self.layer_types is None:
             # transformers' Gemma2Config: layers 0, 2, 4, ... are local
@@ -198,8 +212,8 @@ class Gemma2TextConfig(TextConfig):
         kinds = {"sliding_attention", "full_attention"}
         if len(self.layer_types) != L or not set(self.layer_types) <= kinds:
             raise ValueError(
-                f"layer_types {self.layer_types!r}: expected {L} entries (one per "
-                f"layer), each 'sliding_attention' or 'full_attention'"
+                f"layer_types {self.layer_types!r}: expected {L} entries (one "
+                "per layer), each 'sliding_attention' or 'full_attention'"
             )
 
 
@@ -213,7 +227,8 @@ GEMMA2_FIELDS = [
 
 # %% ../book/05_gemma_decoder.ipynb #c006b
 def patch_to(cls):
-    "Decorator: attach the decorated function (or classmethod) to `cls` under its name"
+    """Decorator: attach the decorated function (or classmethod) to `cls` under
+    its name"""
 
     def attach(method):
         setattr(cls, method.__name__, method)
@@ -227,35 +242,35 @@ def _check_gemma_variant(d: dict):
     implementation does not support"""
     if d.get("model_type", "gemma") not in ("gemma", "gemma2"):
         raise ValueError(
-            f"text_config has model_type {d['model_type']!r}; only 'gemma' (the Gemma "
-            f"of PaliGemma 1) and 'gemma2' (the Gemma 2 of PaliGemma 2: logit "
-            f"soft-capping, query_pre_attn_scalar, sliding-window attention) are "
-            f"implemented"
+            f"text_config has model_type {d['model_type']!r}; only 'gemma' "
+            "(the Gemma of PaliGemma 1) and 'gemma2' (the Gemma 2 of "
+            "PaliGemma 2: logit soft-capping, query_pre_attn_scalar, "
+            "sliding-window attention) are implemented"
         )
     rope = d.get("rope_parameters") or {}
     if d.get("rope_scaling") or rope.get("rope_type", "default") != "default":
         raise ValueError(
-            f"RoPE settings {d.get('rope_scaling') or rope} ask for a scaled RoPE "
-            f"variant; only plain RoPE (rope_type 'default', as in PaliGemma) is "
-            f"implemented"
+            f"RoPE settings {d.get('rope_scaling') or rope} ask for a scaled "
+            "RoPE variant; only plain RoPE (rope_type 'default', as in "
+            "PaliGemma) is implemented"
         )
     if d.get("attention_bias"):
         raise ValueError(
-            "attention_bias=True: Gemma's attention projections have no biases, "
-            "and neither does this one"
+            "attention_bias=True: Gemma's attention projections have no "
+            "biases, and neither does this one"
         )
     if d.get("tie_word_embeddings") is False:
         raise ValueError(
-            "tie_word_embeddings=False: this Gemma's LM head is always the embedding "
-            "table (tied)"
+            "tie_word_embeddings=False: this Gemma's LM head is always the "
+            "embedding table (tied)"
         )
 
 
 @patch_to(TextConfig)
 @classmethod
 def from_hf(cls, d: dict) -> TextConfig:
-    """From the `text_config` dict of a Hugging Face config.json, old or new spelling
-    (other keys are ignored)"""
+    """From the `text_config` dict of a Hugging Face config.json, old or new
+    spelling (other keys are ignored)"""
     _check_gemma_variant(d)
     if d.get("model_type") == "gemma2":  # PaliGemma 2's decoder
         cls = Gemma2TextConfig
@@ -271,8 +286,8 @@ def from_hf(cls, d: dict) -> TextConfig:
 
 @patch_to(TextConfig)
 def to_hf(self) -> dict:
-    """A `text_config` dict that transformers' GemmaConfig reads (both the 4.x and the
-    5.x RoPE spelling)"""
+    """A `text_config` dict that transformers' GemmaConfig reads (both the 4.x
+    and the 5.x RoPE spelling)"""
     rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
     values = {"model_type": self.model_type, **asdict(self)}
     if self.post_norms:  # Gemma2Config's spelling of the activation
@@ -294,16 +309,18 @@ def _check_num_image_tokens(d: dict, vision: VisionConfig):
         given = section.get("num_image_tokens")
         if given is not None and given != vision.num_image_tokens:
             raise ValueError(
-                f"num_image_tokens {given} {where} contradicts the vision settings: "
-                f"image_size {vision.image_size} / patch_size {vision.patch_size} = "
-                f"{vision.num_patches_per_side} patches per side, "
-                f"{vision.num_image_tokens} image tokens; correct config.json"
+                f"num_image_tokens {given} {where} contradicts the vision "
+                f"settings: image_size {vision.image_size} / patch_size "
+                f"{vision.patch_size} = {vision.num_patches_per_side} patches "
+                f"per side, {vision.num_image_tokens} image tokens; correct "
+                "config.json"
             )
 
 
 @dataclass
 class PaliGemmaConfig:
-    "PaliGemma: a SigLIP `vision` config, a Gemma `text` config, and how they join"
+    """PaliGemma: a SigLIP `vision` config, a Gemma `text` config, and how they
+    join"""
 
     vision: VisionConfig = None
     text: TextConfig = None
@@ -314,18 +331,20 @@ class PaliGemmaConfig:
     eos_token_id: int = 1
 
     def __post_init__(self):
-        self.vision = self.vision if self.vision is not None else VisionConfig()
+        self.vision = (
+            self.vision if self.vision is not None else VisionConfig()
+        )
         self.text = self.text if self.text is not None else TextConfig()
         if self.projection_dim != self.text.hidden_size:
             raise ValueError(
-                f"projection_dim {self.projection_dim} must equal the text model's "
-                f"hidden_size {self.text.hidden_size}: the projector writes image "
-                f"features into the text embedding space"
+                f"projection_dim {self.projection_dim} must equal the text "
+                f"model's hidden_size {self.text.hidden_size}: the projector "
+                "writes image features into the text embedding space"
             )
         if not 0 <= self.image_token_index < self.text.vocab_size:
             raise ValueError(
-                f"image_token_index {self.image_token_index} is outside the vocabulary "
-                f"(size {self.text.vocab_size})"
+                f"image_token_index {self.image_token_index} is outside the "
+                f"vocabulary (size {self.text.vocab_size})"
             )
 
     @property
@@ -334,9 +353,11 @@ class PaliGemmaConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> "PaliGemmaConfig":
-        "From a Hub config.json dict: defaults for what it omits, unused keys ignored"
+        """From a Hub config.json dict: defaults for what it omits, unused keys
+        ignored"""
         d = dict(d)
-        if "image_token_id" in d and "image_token_index" not in d:  # the newer spelling
+        # the newer spelling
+        if "image_token_id" in d and "image_token_index" not in d:
             d["image_token_index"] = d["image_token_id"]
         top = known_fields(
             cls, {k: v for k, v in d.items() if k not in ("vision", "text")}

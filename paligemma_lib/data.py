@@ -23,45 +23,53 @@ from functools import cache
 from importlib.util import find_spec
 from pathlib import Path
 
-from PIL import Image, ImageDraw, ImageFont
-from torch.utils.data import Dataset
-
 from paligemma_lib.processing import (
     PaliGemmaBatch,
     PaliGemmaProcessor,
     _check_pixels,
     boxes_to_loc_string,
 )
+from PIL import Image, ImageDraw, ImageFont
+from torch.utils.data import Dataset
 
 # %% ../book/11_data_and_training.ipynb #c006
 WORLDS = ("shapes", "ocr", "receipts")
-# A split is a range of seeds; every world takes its examples from the same ranges.
+# A split is a range of seeds; every world takes its examples from the same
+# ranges.
 SPLITS = {
     "train": range(0, 10**9),
     "validation": range(10**9, 10**9 + 10**4),
     "test": range(10**9 + 10**4, 10**9 + 2 * 10**4),
 }
-SEEDS_PER_WORLD = 10**10  # a world's seeds: 0 .. 10**10 - 1 (the splits use a part)
-# random.Random(WORLD_OFFSETS[world] + seed) makes example `seed` of `world`; the
-# mixing of worlds in SyntheticDataset has a range of its own
+# a world's seeds: 0 .. 10**10 - 1 (the splits use a part)
+SEEDS_PER_WORLD = 10**10
+# random.Random(WORLD_OFFSETS[world] + seed) makes example `seed` of `world`;
+# the mixing of worlds in SyntheticDataset has a range of its own
 WORLD_OFFSETS = {w: i * SEEDS_PER_WORLD for i, w in enumerate(WORLDS)}
 MIX_OFFSET = len(WORLDS) * SEEDS_PER_WORLD
-MAX_TRIES = 1000  # rejection sampling gives up after this many draws, with an error
+# rejection sampling gives up after this many draws, with an error
+MAX_TRIES = 1000
 
 
 def example_rng(world: str, seed: int) -> random.Random:
-    """The generator of one example: its own random.Random, never the global one.
-    seed: an integer of the world's range; numpy's integers too (operator.index)"""
+    """The generator of one example: its own random.Random, never the global
+    one. seed: an integer of the world's range; numpy's integers too
+    (operator.index)"""
     if world not in WORLD_OFFSETS:
-        raise ValueError(f"unknown world {world!r}; the worlds are {', '.join(WORLDS)}")
+        raise ValueError(
+            f"unknown world {world!r}; the worlds are {', '.join(WORLDS)}"
+        )
     try:
         seed = operator.index(seed)  # an int or a numpy integer, never a float
     except TypeError:
         pass  # the error below names it
     if not isinstance(seed, int) or not 0 <= seed < SEEDS_PER_WORLD:
         raise ValueError(
-            f"seed {seed!r} must be an int in 0..{SEEDS_PER_WORLD - 1}; the splits are "
-            + ", ".join(f"{k} {v.start}..{v.stop - 1}" for k, v in SPLITS.items())
+            f"seed {seed!r} must be an int in 0..{SEEDS_PER_WORLD - 1}; the "
+            "splits are "
+            + ", ".join(
+                f"{k} {v.start}..{v.stop - 1}" for k, v in SPLITS.items()
+            )
         )
     return random.Random(WORLD_OFFSETS[world] + seed)
 
@@ -84,7 +92,8 @@ PROMPTS = {
 
 @dataclass
 class Example:
-    "One generated example: what the model sees (image, prompt, answer) and the truth"
+    """One generated example: what the model sees (image, prompt, answer) and
+    the truth"""
 
     world: str  # "shapes", "ocr" or "receipts"
     seed: int
@@ -92,10 +101,13 @@ class Example:
     image: Image.Image  # 224 x 224 RGB
     prompt: str
     answer: str
-    # (x0, y0, x1, y1) in pixels (edges), left to right: the shapes; the OCR text's box
+    # (x0, y0, x1, y1) in pixels (edges), left to right: the shapes; the OCR
+    # text's box
     boxes: list = field(default_factory=list)
-    labels: list = field(default_factory=list)  # one per box: "red circle"; the text
-    text: str = ""  # ocr: the text; receipts: the receipt's lines joined by "\n"
+    # one per box: "red circle"; the text
+    labels: list = field(default_factory=list)
+    # ocr: the text; receipts: the receipt's lines joined by "\n"
+    text: str = ""
     fields: dict = field(default_factory=dict)  # receipts: store, date, total
 
     def triple(self) -> tuple:
@@ -116,13 +128,15 @@ SIDES = (36, 80)  # the smallest and the largest side of a shape's square box
 
 
 def box_gap(a, b) -> int:
-    "Background pixels between boxes a and b (x0, y0, x1, y1): the wider gap, x or y"
+    """Background pixels between boxes a and b (x0, y0, x1, y1): the wider gap,
+    x or y"""
     return max(b[0] - a[2], a[0] - b[2], b[1] - a[3], a[1] - b[3])
 
 
 def place_boxes(rng: random.Random, n: int, tries: int = MAX_TRIES) -> list:
-    """n square boxes (x0, y0, x0 + side, y0 + side) inside the canvas by MARGIN and GAP
-    apart: whole layouts are drawn until one fits, at most `tries` of them"""
+    """n square boxes (x0, y0, x0 + side, y0 + side) inside the canvas by
+    MARGIN and GAP apart: whole layouts are drawn until one fits, at most
+    `tries` of them"""
     low, high = SIDES
     for _ in range(tries):
         boxes = []
@@ -131,18 +145,24 @@ def place_boxes(rng: random.Random, n: int, tries: int = MAX_TRIES) -> list:
             x0 = rng.randint(MARGIN, IMAGE_SIZE - MARGIN - side)
             y0 = rng.randint(MARGIN, IMAGE_SIZE - MARGIN - side)
             boxes.append((x0, y0, x0 + side, y0 + side))
-        if all(box_gap(a, b) >= GAP for i, a in enumerate(boxes) for b in boxes[:i]):
+        if all(
+            box_gap(a, b) >= GAP
+            for i, a in enumerate(boxes)
+            for b in boxes[:i]
+        ):
             return boxes
     raise RuntimeError(
         f"no layout of {n} boxes (sides {low}-{high} px, {MARGIN} px inside a "
-        f"{IMAGE_SIZE} px canvas, {GAP} px apart) was found in {tries} tries; allow "
-        f"more tries or ask for fewer or smaller boxes"
+        f"{IMAGE_SIZE} px canvas, {GAP} px apart) was found in {tries} tries; "
+        "allow more tries or ask for fewer or smaller boxes"
     )
 
 # %% ../book/11_data_and_training.ipynb #c016
 def draw_shape(draw: ImageDraw.ImageDraw, kind: str, box, colour: tuple):
-    "Fill box (x0, y0, x1, y1), pixel edges, with a circle, a square or a triangle"
-    x0, y0, x1, y1 = box[0], box[1], box[2] - 1, box[3] - 1  # Pillow's are inclusive
+    """Fill box (x0, y0, x1, y1), pixel edges, with a circle, a square or a
+    triangle"""
+    # Pillow's are inclusive
+    x0, y0, x1, y1 = box[0], box[1], box[2] - 1, box[3] - 1
     if kind == "circle":
         draw.ellipse((x0, y0, x1, y1), fill=colour)
     elif kind == "square":
@@ -150,29 +170,42 @@ def draw_shape(draw: ImageDraw.ImageDraw, kind: str, box, colour: tuple):
     elif kind == "triangle":  # apex up, base on the bottom edge of the box
         draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=colour)
     else:
-        raise ValueError(f"unknown kind {kind!r}; the kinds are {', '.join(KINDS)}")
+        raise ValueError(
+            f"unknown kind {kind!r}; the kinds are {', '.join(KINDS)}"
+        )
 
 # %% ../book/11_data_and_training.ipynb #c019
 def caption(labels: list) -> str:
     "['red circle', 'blue square'] -> 'a red circle and a blue square'"
     parts = [f"a {label}" for label in labels]
-    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return (
+        parts[0]
+        if len(parts) == 1
+        else ", ".join(parts[:-1]) + " and " + parts[-1]
+    )
 
 
-def _shapes_example(rng: random.Random, seed: int, task: str | None) -> Example:
+def _shapes_example(
+    rng: random.Random, seed: int, task: str | None
+) -> Example:
     for _ in range(MAX_TRIES):
         background = rng.randint(210, 250)
         n = rng.randint(1, 3)
-        pairs = rng.sample([(c, k) for c in COLOURS for k in KINDS], n)  # distinct
+        # distinct
+        pairs = rng.sample([(c, k) for c in COLOURS for k in KINDS], n)
         boxes = place_boxes(rng, n)
-        # left to right by the centre's x (2 * centre, to stay in integers), then y
-        order = sorted(range(n), key=lambda i: (boxes[i][0] + boxes[i][2], boxes[i][1]))
+        # left to right by the centre's x (2 * centre, to stay in integers),
+        # then y
+        order = sorted(
+            range(n), key=lambda i: (boxes[i][0] + boxes[i][2], boxes[i][1])
+        )
         boxes, pairs = [boxes[i] for i in order], [pairs[i] for i in order]
         kinds = [k for _, k in pairs]
         once = [k for k in KINDS if kinds.count(k) == 1]
         present = [k for k in KINDS if k in kinds]
         possible = [t for t in TASKS["shapes"] if t != "colour" or once]
-        chosen = rng.choice(possible)  # drawn even when `task` is given: same scene
+        # drawn even when `task` is given: same scene
+        chosen = rng.choice(possible)
         if task is not None and task not in possible:
             continue  # this scene cannot ask `task`: the next scene
         chosen = task or chosen
@@ -198,7 +231,9 @@ def _shapes_example(rng: random.Random, seed: int, task: str | None) -> Example:
         draw = ImageDraw.Draw(image)
         for (colour, kind), box in zip(pairs, boxes):
             draw_shape(draw, kind, box, COLOURS[colour])
-        return Example("shapes", seed, chosen, image, prompt, answer, boxes, labels)
+        return Example(
+            "shapes", seed, chosen, image, prompt, answer, boxes, labels
+        )
     raise RuntimeError(f"no scene of {MAX_TRIES} can ask {task!r}")
 
 # %% ../book/11_data_and_training.ipynb #c021
@@ -214,15 +249,17 @@ def font_path(bold: bool = False) -> Path:
 
 @cache
 def load_font(size: int, bold: bool = False) -> ImageFont.FreeTypeFont:
-    """DejaVu Sans Mono at `size` px, laid out by Pillow's own BASIC engine: with
-    libraqm installed Pillow would otherwise use it, and its advances differ"""
+    """DejaVu Sans Mono at `size` px, laid out by Pillow's own BASIC engine:
+    with libraqm installed Pillow would otherwise use it, and its advances
+    differ"""
     return ImageFont.truetype(
         str(font_path(bold)), size, layout_engine=ImageFont.Layout.BASIC
     )
 
 
 def ocr_text(rng: random.Random) -> str:
-    "2-8 characters of A-Z 0-9; half the time one inner character becomes '.' or ' '"
+    """2-8 characters of A-Z 0-9; half the time one inner character becomes '.'
+    or ' '"""
     chars = [rng.choice(OCR_ALPHABET) for _ in range(rng.randint(2, 8))]
     inner = rng.choice(("", "", ".", " "))
     if inner and len(chars) >= 3:
@@ -230,14 +267,19 @@ def ocr_text(rng: random.Random) -> str:
     return "".join(chars)
 
 
-def place_text(rng: random.Random, text: str, font: ImageFont.FreeTypeFont) -> tuple:
+def place_text(
+    rng: random.Random, text: str, font: ImageFont.FreeTypeFont
+) -> tuple:
     "A position (x, y) for `text` whose box lies MARGIN px inside the canvas"
     left, top, right, bottom = font.getbbox(text)
-    if right - left > IMAGE_SIZE - 2 * MARGIN or bottom - top > IMAGE_SIZE - 2 * MARGIN:
+    if (
+        right - left > IMAGE_SIZE - 2 * MARGIN
+        or bottom - top > IMAGE_SIZE - 2 * MARGIN
+    ):
         raise ValueError(
-            f"{text!r} at {font.size} px is {right - left} x {bottom - top} px, larger "
-            f"than the {IMAGE_SIZE - 2 * MARGIN} px inside the margins; it would be "
-            f"clipped"
+            f"{text!r} at {font.size} px is {right - left} x {bottom - top} "
+            f"px, larger than the {IMAGE_SIZE - 2 * MARGIN} px inside the "
+            "margins; it would be clipped"
         )
     x = rng.randint(MARGIN - left, IMAGE_SIZE - MARGIN - right)
     y = rng.randint(MARGIN - top, IMAGE_SIZE - MARGIN - bottom)
@@ -253,7 +295,9 @@ def _ocr_example(rng: random.Random, seed: int, task: str | None) -> Example:
     draw = ImageDraw.Draw(image)
     draw.text((x, y), text, fill=(ink,) * 3, font=font)
     box = draw.textbbox((x, y), text, font=font)
-    return Example("ocr", seed, "ocr", image, PROMPTS["ocr"], text, [box], [text], text)
+    return Example(
+        "ocr", seed, "ocr", image, PROMPTS["ocr"], text, [box], [text], text
+    )
 
 # %% ../book/11_data_and_training.ipynb #c024
 STORES = (
@@ -267,8 +311,8 @@ STORES = (
     "BLUE CAFE",
 )
 ITEMS = (
-    "BREAD MILK EGGS APPLES COFFEE TEA RICE PASTA CHEESE BUTTER JUICE SOAP SUGAR FLOUR "
-    "HONEY YOGURT"
+    "BREAD MILK EGGS APPLES COFFEE TEA RICE PASTA CHEESE BUTTER JUICE SOAP "
+    "SUGAR FLOUR HONEY YOGURT"
 ).split()
 
 
@@ -277,9 +321,12 @@ def money(cents: int) -> str:
     return f"{cents // 100}.{cents % 100:02d}"
 
 
-def layout_receipt(lines: list, size: int, margin: int, top: int) -> list | None:
-    """[(left text, right text, bold)] -> [(x, y, text, font)] to draw, or None when a
-    line does not fit: outside the canvas by MARGIN, or its two texts too close"""
+def layout_receipt(
+    lines: list, size: int, margin: int, top: int
+) -> list | None:
+    """[(left text, right text, bold)] -> [(x, y, text, font)] to draw, or None
+    when a line does not fit: outside the canvas by MARGIN, or its two texts
+    too close"""
     placed = []
     for i, (left, right, bold) in enumerate(lines):
         font, y = load_font(size, bold), top + i * (size + 6)
@@ -299,7 +346,9 @@ def layout_receipt(lines: list, size: int, margin: int, top: int) -> list | None
     return placed
 
 
-def _receipt_example(rng: random.Random, seed: int, task: str | None) -> Example:
+def _receipt_example(
+    rng: random.Random, seed: int, task: str | None
+) -> Example:
     for _ in range(MAX_TRIES):
         background, size = rng.randint(245, 255), rng.randint(18, 20)
         store = rng.choice(STORES)
@@ -331,7 +380,9 @@ def _receipt_example(rng: random.Random, seed: int, task: str | None) -> Example
             "receipts", seed, "extract", image, PROMPTS["extract"], answer,
             text=text, fields=fields,
         )  # fmt: skip
-    raise RuntimeError(f"no receipt of {MAX_TRIES} fitted the {IMAGE_SIZE} px canvas")
+    raise RuntimeError(
+        f"no receipt of {MAX_TRIES} fitted the {IMAGE_SIZE} px canvas"
+    )
 
 # %% ../book/11_data_and_training.ipynb #c027
 _MAKERS = {
@@ -342,9 +393,10 @@ _MAKERS = {
 
 
 def make_example(world: str, seed: int, task: str | None = None) -> Example:
-    """Example number `seed` of `world` ("shapes", "ocr", "receipts"): the same on every
-    machine and every run. task: None (chosen with the example's own generator,
-    uniformly among the tasks its image can ask) or one of TASKS[world]."""
+    """Example number `seed` of `world` ("shapes", "ocr", "receipts"): the same
+    on every machine and every run. task: None (chosen with the example's own
+    generator, uniformly among the tasks its image can ask) or one of
+    TASKS[world]."""
     rng = example_rng(world, seed)
     if task is not None and task not in TASKS[world]:
         raise ValueError(
@@ -355,27 +407,34 @@ def make_example(world: str, seed: int, task: str | None = None) -> Example:
 
 # %% ../book/11_data_and_training.ipynb #c038
 class SyntheticDataset(Dataset):
-    """(PIL image, prompt, answer) triples: examples 0 .. size-1 of a split, from one
-    world or a weighted mix of worlds.
+    """(PIL image, prompt, answer) triples: examples 0 .. size-1 of a split,
+    from one world or a weighted mix of worlds.
 
-    worlds: a world ("shapes") or weights ({"shapes": 0.7, "ocr": 0.3}, normalised).
-    split: "train", "validation" or "test"; example i has seed SPLITS[split][i].
-    size: how many examples (the whole split when None).
+    worlds: a world ("shapes") or weights ({"shapes": 0.7, "ocr": 0.3},
+    normalised). split: "train", "validation" or "test"; example i has seed
+    SPLITS[split][i]. size: how many examples (the whole split when None).
     task: with a single world, every example asks this task (see make_example).
 
-    No need to shuffle: consecutive seeds are already independent random draws, so the
-    split in order is a random order. Do not give a DataLoader shuffle=True over the
-    train split: its sampler would build a permutation of all 10**9 indices first."""
+    No need to shuffle: consecutive seeds are already independent random draws,
+    so the split in order is a random order. Do not give a DataLoader
+    shuffle=True over the train split: its sampler would build a permutation of
+    all 10**9 indices first."""
 
     def __init__(self, worlds="shapes", split="train", size=None, task=None):
         weights = {worlds: 1.0} if isinstance(worlds, str) else dict(worlds)
         unknown = [w for w in weights if w not in WORLDS]
         if unknown or not weights:
-            raise ValueError(f"unknown worlds {unknown}; the worlds are {WORLDS}")
+            raise ValueError(
+                f"unknown worlds {unknown}; the worlds are {WORLDS}"
+            )
         if any(not 0 < float(v) < float("inf") for v in weights.values()):
-            raise ValueError(f"world weights must be positive and finite: {weights}")
+            raise ValueError(
+                f"world weights must be positive and finite: {weights}"
+            )
         if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; the splits are {list(SPLITS)}")
+            raise ValueError(
+                f"unknown split {split!r}; the splits are {list(SPLITS)}"
+            )
         self.seeds = SPLITS[split]
         size = len(self.seeds) if size is None else operator.index(size)
         if not 0 <= size <= len(self.seeds):
@@ -383,8 +442,11 @@ class SyntheticDataset(Dataset):
                 f"size {size}: the {split} split has {len(self.seeds)} seeds"
             )
         if task is not None and len(weights) != 1:
-            raise ValueError(f"task={task!r} needs a single world, not {list(weights)}")
-        self.worlds = [w for w in WORLDS if w in weights]  # a fixed order: WORLDS'
+            raise ValueError(
+                f"task={task!r} needs a single world, not {list(weights)}"
+            )
+        # a fixed order: WORLDS'
+        self.worlds = [w for w in WORLDS if w in weights]
         total = sum(float(weights[w]) for w in self.worlds)
         self.weights = [float(weights[w]) / total for w in self.worlds]
         self.split, self.size, self.task = split, size, task
@@ -393,10 +455,13 @@ class SyntheticDataset(Dataset):
         return self.size
 
     def __repr__(self) -> str:
-        mix = ", ".join(f"{w}: {p:.2f}" for w, p in zip(self.worlds, self.weights))
+        mix = ", ".join(
+            f"{w}: {p:.2f}" for w, p in zip(self.worlds, self.weights)
+        )
         task = f", task={self.task!r}" if self.task else ""
         return (
-            f"SyntheticDataset({{{mix}}}, split={self.split!r}, size={self.size}{task})"
+            f"SyntheticDataset({{{mix}}}, split={self.split!r}, "
+            f"size={self.size}{task})"
         )
 
     def world(self, i: int) -> str:
@@ -404,7 +469,9 @@ class SyntheticDataset(Dataset):
         seed = self.seeds[self._index(i)]
         if len(self.worlds) == 1:
             return self.worlds[0]
-        return random.Random(MIX_OFFSET + seed).choices(self.worlds, self.weights)[0]
+        return random.Random(MIX_OFFSET + seed).choices(
+            self.worlds, self.weights
+        )[0]
 
     def example(self, i: int) -> Example:
         "Example i, with its ground truth"
@@ -417,16 +484,19 @@ class SyntheticDataset(Dataset):
     def _index(self, i) -> int:
         i = operator.index(i)
         if not -self.size <= i < self.size:
-            raise IndexError(f"index {i} is outside this data set of {self.size}")
+            raise IndexError(
+                f"index {i} is outside this data set of {self.size}"
+            )
         return i % self.size
 
 # %% ../book/11_data_and_training.ipynb #c041
 class Collator:
-    """collate_fn for a DataLoader: [(image, prompt, answer), ...] -> PaliGemmaBatch,
-    the answers as suffixes (right padding; labels -100 except on answers and <eos>).
-    max_length: an optional bound on S; a longer example is an error, never cut.
-    pixels: "normalized" (float32) or "uint8" (the 8-bit levels, a quarter of the
-    bytes to carry from a DataLoader's workers; the model normalises them)."""
+    """collate_fn for a DataLoader: [(image, prompt, answer), ...] ->
+    PaliGemmaBatch, the answers as suffixes (right padding; labels -100 except
+    on answers and <eos>). max_length: an optional bound on S; a longer example
+    is an error, never cut. pixels: "normalized" (float32) or "uint8" (the
+    8-bit levels, a quarter of the bytes to carry from a DataLoader's workers;
+    the model normalises them)."""
 
     def __init__(
         self,
@@ -435,7 +505,11 @@ class Collator:
         pixels: str = "normalized",
     ):
         _check_pixels(pixels, processor.image_mean, processor.image_std)
-        self.processor, self.max_length, self.pixels = processor, max_length, pixels
+        self.processor, self.max_length, self.pixels = (
+            processor,
+            max_length,
+            pixels,
+        )
 
     def __call__(self, examples: list) -> PaliGemmaBatch:
         if not examples:

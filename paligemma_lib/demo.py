@@ -18,17 +18,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
-
 from .data import make_example
 from .gemma import apply_rotary_pos_emb, repeat_kv, soft_cap
 from .generation import generate
 from .lora import lora_modules
 from .paligemma import make_prefix_lm_mask
 from .processing import load_image, parse_loc_tokens
+from PIL import Image, UnidentifiedImageError
 
 # %% ../book/13_demo.ipynb #c008
-# The demo's tasks -> PaliGemma's prompt for each; {text} is what the user types
+# The demo's tasks -> PaliGemma's prompt for each; {text} is what the user
+# types
 TASK_PROMPTS = {
     "caption": "caption en",
     "question": "answer en {text}",
@@ -39,7 +39,8 @@ TASK_PROMPTS = {
 
 
 def task_prompt(task: str, text: str = "") -> str:
-    "A task and the user's text -> its prompt, or a ValueError saying what is missing"
+    """A task and the user's text -> its prompt, or a ValueError saying what is
+    missing"""
     if task not in TASK_PROMPTS:
         raise ValueError(
             f"unknown task {task!r}; choose one of {', '.join(TASK_PROMPTS)}"
@@ -47,10 +48,13 @@ def task_prompt(task: str, text: str = "") -> str:
     template = TASK_PROMPTS[task]
     if "{text}" not in template:
         return template
-    text = " ".join(str(text or "").split())  # one line: the prompt ends at "\n"
+    # one line: the prompt ends at "\n"
+    text = " ".join(str(text or "").split())
     if not text:
         what = "a question" if task == "question" else "the name of an object"
-        raise ValueError(f"the prompt is empty: type {what} for the {task} task")
+        raise ValueError(
+            f"the prompt is empty: type {what} for the {task} task"
+        )
     return template.format(text=text)
 
 # %% ../book/13_demo.ipynb #c011
@@ -61,49 +65,55 @@ MAX_IMAGE_PIXELS = (
 
 
 def check_image_pixels(path) -> bool:
-    """False if Pillow cannot read `path` as an image; True if it can and its header
-    declares at most MAX_IMAGE_PIXELS; else a ValueError, before any pixel is decoded.
-    Pillow's own decompression-bomb warning (from 89 megapixels) is not shown: the
-    limit here is lower, and above it the answer is no"""
+    """False if Pillow cannot read `path` as an image; True if it can and its
+    header declares at most MAX_IMAGE_PIXELS; else a ValueError, before any
+    pixel is decoded. Pillow's own decompression-bomb warning (from 89
+    megapixels) is not shown: the limit here is lower, and above it the answer
+    is no"""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(path) as opened:
                 width, height = opened.size
-    except Image.DecompressionBombError:  # over twice Pillow's limit, far above ours
+    # over twice Pillow's limit, far above ours
+    except Image.DecompressionBombError:
         size = f"more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels"
     except (UnidentifiedImageError, OSError):
         return False
     else:
         if width * height <= MAX_IMAGE_PIXELS:
             return True
-        size = f"{width} x {height} pixels ({width * height / 10**6:.0f} megapixels)"
+        megapixels = width * height / 10**6
+        size = f"{width} x {height} pixels ({megapixels:.0f} megapixels)"
     raise ValueError(
         f"{Path(path).name} has {size}; images of at most "
-        f"{MAX_IMAGE_PIXELS // 10**6} megapixels are read (the model sees 224 to 896 "
-        "pixels a side): shrink it first"
+        f"{MAX_IMAGE_PIXELS // 10**6} megapixels are read (the model sees 224 "
+        "to 896 pixels a side): shrink it first"
     )
 
 
 def open_upload(path) -> Image.Image:
-    """An uploaded file -> an RGB image, or a ValueError that says what is wrong: not
-    an image, over MAX_IMAGE_BYTES, or over MAX_IMAGE_PIXELS (read from the header,
-    before the pixels are decoded)"""
+    """An uploaded file -> an RGB image, or a ValueError that says what is
+    wrong: not an image, over MAX_IMAGE_BYTES, or over MAX_IMAGE_PIXELS (read
+    from the header, before the pixels are decoded)"""
     path = Path(path)
     size = path.stat().st_size
     if size > MAX_IMAGE_BYTES:
         raise ValueError(
-            f"{path.name} is {size / 2**20:.1f} MiB; the demo takes images of at most "
-            f"{MAX_IMAGE_BYTES // 2**20} MiB"
+            f"{path.name} is {size / 2**20:.1f} MiB; the demo takes images of "
+            f"at most {MAX_IMAGE_BYTES // 2**20} MiB"
         )
     if not check_image_pixels(path):
         raise ValueError(
-            f"{path.name} is not an image: upload a PNG, JPEG, WebP, BMP or GIF file"
+            f"{path.name} is not an image: upload a PNG, JPEG, WebP, BMP or "
+            "GIF file"
         )
     try:
         return load_image(path)
     except ValueError as e:
-        raise ValueError(f"{path.name} could not be read as an image: {e}") from None
+        raise ValueError(
+            f"{path.name} could not be read as an image: {e}"
+        ) from None
 
 # %% ../book/13_demo.ipynb #c014
 @dataclass
@@ -116,10 +126,13 @@ class TaskAnswer:
     token_ids: list[int]  # the generated tokens, without <eos>
     pieces: list[str]  # the tokenizer's piece for each of them
     seconds: float  # generation only: prefill and decoding
-    boxes: list = field(default_factory=list)  # detect: [((x0, y0, x1, y1), label)]
+    # detect: [((x0, y0, x1, y1), label)]
+    boxes: list = field(default_factory=list)
     receipt: dict | None = None  # receipt: the parsed JSON
-    receipt_error: str = ""  # receipt: why the answer is not the JSON asked for
-    truncated: bool = False  # stopped at max_new_tokens before <eos>: maybe cut short
+    # receipt: why the answer is not the JSON asked for
+    receipt_error: str = ""
+    # stopped at max_new_tokens before <eos>: maybe cut short
+    truncated: bool = False
 
     @property
     def tokens_per_second(self) -> float:
@@ -127,24 +140,30 @@ class TaskAnswer:
 
 
 def check_length(model, processor, prompt: str, max_new_tokens: int) -> int:
-    "The prompt's length in positions (image tokens included), if it leaves room"
+    """The prompt's length in positions (image tokens included), if it leaves
+    room"""
     length = processor.num_image_tokens + len(processor.encode_prefix(prompt))
     limit = model.config.text.max_position_embeddings
     if length + max_new_tokens > limit:
         raise ValueError(
-            f"the prompt is too long: with the image it takes {length} positions, "
-            f"and {max_new_tokens} new tokens need {length + max_new_tokens}; the "
-            f"model has {limit}. Shorten the prompt"
+            f"the prompt is too long: with the image it takes {length} "
+            f"positions, and {max_new_tokens} new tokens need "
+            f"{length + max_new_tokens}; the model has {limit}. Shorten the "
+            "prompt"
         )
     return length
 
 
 def parse_receipt(text: str) -> tuple[dict | None, str]:
-    "The model's answer to 'extract json' -> (the fields, '') or (None, what is wrong)"
+    """The model's answer to 'extract json' -> (the fields, '') or (None, what
+    is wrong)"""
     try:
         fields = json.loads(text)
     except json.JSONDecodeError as e:
-        return None, f"the answer is not valid JSON ({e.msg} at character {e.pos})"
+        return (
+            None,
+            f"the answer is not valid JSON ({e.msg} at character {e.pos})",
+        )
     if not isinstance(fields, dict):
         return None, f"the answer is JSON but not an object: {text}"
     return fields, ""
@@ -204,7 +223,8 @@ def run_task(
 
 # %% ../book/13_demo.ipynb #c019
 def attention_inputs(model, batch) -> list[dict]:
-    "One forward pass; per decoder layer, the inputs of self_attn and of its o_proj"
+    """One forward pass; per decoder layer, the inputs of self_attn and of its
+    o_proj"""
     layers = model.language_model.model.layers
     captured = [{} for _ in layers]
     handles = []
@@ -214,7 +234,8 @@ def attention_inputs(model, batch) -> list[dict]:
             store["hidden"], store["cos_sin"], store["mask"] = args[:3]
 
         def keep_output(module, args, store=store):
-            store["output"] = args[0]  # [B, S, H * d_h]: the attention's result
+            # [B, S, H * d_h]: the attention's result
+            store["output"] = args[0]
 
         handles += [
             layer.self_attn.register_forward_pre_hook(keep_inputs),
@@ -237,15 +258,22 @@ def attention_inputs(model, batch) -> list[dict]:
 @torch.no_grad()
 def attention_probs(attn, hidden, cos_sin, allowed):
     """GemmaAttention's probabilities [B, H, S, S] and values [B, H, S, d_h],
-    explicitly: its query scale, and Gemma 2's score cap where the config has one"""
+    explicitly: its query scale, and Gemma 2's score cap where the config has
+    one"""
     B, S, _ = hidden.shape
     H, K, d_h = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q = attn.q_proj(hidden).view(B, S, H, d_h).transpose(1, 2)  # [B, H, S, d_h]
-    k = attn.k_proj(hidden).view(B, S, K, d_h).transpose(1, 2)  # [B, K, S, d_h]
-    v = attn.v_proj(hidden).view(B, S, K, d_h).transpose(1, 2)  # [B, K, S, d_h]
+    # [B, H, S, d_h]
+    q = attn.q_proj(hidden).view(B, S, H, d_h).transpose(1, 2)
+    # [B, K, S, d_h]
+    k = attn.k_proj(hidden).view(B, S, K, d_h).transpose(1, 2)
+    # [B, K, S, d_h]
+    v = attn.v_proj(hidden).view(B, S, K, d_h).transpose(1, 2)
     q, k = apply_rotary_pos_emb(q, k, *cos_sin)
     k, v = repeat_kv(k, H // K), repeat_kv(v, H // K)  # [B, H, S, d_h]
-    scale, cap = attn.config.attention_scale, attn.config.attn_logit_softcapping
+    scale, cap = (
+        attn.config.attention_scale,
+        attn.config.attn_logit_softcapping,
+    )
     scores = q.float() @ k.float().transpose(-1, -2) * scale  # [B, H, S, S]
     if cap is not None:  # PaliGemma 2
         scores = soft_cap(scores, cap)
@@ -253,9 +281,12 @@ def attention_probs(attn, hidden, cos_sin, allowed):
     return scores.softmax(-1), v.float()
 
 # %% ../book/13_demo.ipynb #c020
-def answer_batch(processor, image, prompt: str, answer_ids: list[int], device=None):
-    """The prompt and the generated answer as one sequence, as the model saw it while
-    generating: the answer's tokens are the suffix (token type 1, causal)"""
+def answer_batch(
+    processor, image, prompt: str, answer_ids: list[int], device=None
+):
+    """The prompt and the generated answer as one sequence, as the model saw it
+    while generating: the answer's tokens are the suffix (token type 1, causal)
+    """
     batch = processor([image], [prompt])
     answer = torch.tensor([answer_ids], dtype=batch.input_ids.dtype)
     ones = torch.ones_like(answer)
@@ -266,21 +297,31 @@ def answer_batch(processor, image, prompt: str, answer_ids: list[int], device=No
         "pixel_values": batch.pixel_values,
         "prompt_length": batch.input_ids.shape[1],  # S
     }
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return {
+        k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()
+    }
 
 
-def answer_attention(model, processor, image, prompt: str, answer_ids: list[int]):
-    """For each answer token, how much the position that emitted it attends to each
-    image patch: [T, L, H, side, side] (tokens, layers, heads, the patch grid)"""
+def answer_attention(
+    model, processor, image, prompt: str, answer_ids: list[int]
+):
+    """For each answer token, how much the position that emitted it attends to
+    each image patch: [T, L, H, side, side] (tokens, layers, heads, the patch
+    grid)"""
     if not answer_ids:
-        raise ValueError("the answer has no tokens: there is no attention to show")
+        raise ValueError(
+            "the answer has no tokens: there is no attention to show"
+        )
     weight = model.language_model.lm_head.weight
     batch = answer_batch(processor, image, prompt, answer_ids, weight.device)
     batch["pixel_values"] = batch["pixel_values"].to(weight.dtype)
     S, T = batch["prompt_length"], len(answer_ids)
-    queries = torch.arange(S - 1, S - 1 + T)  # position S-1+t emits answer token t
+    # position S-1+t emits answer token t
+    queries = torch.arange(S - 1, S - 1 + T)
     is_image = batch["input_ids"][0] == processor.image_token_id  # [S + T]
-    allowed = make_prefix_lm_mask(batch["attention_mask"], batch["token_type_ids"])
+    allowed = make_prefix_lm_mask(
+        batch["attention_mask"], batch["token_type_ids"]
+    )
     local = make_prefix_lm_mask(  # PaliGemma 2's local layers: the window too
         batch["attention_mask"],
         batch["token_type_ids"],
@@ -302,14 +343,17 @@ def answer_attention(model, processor, image, prompt: str, answer_ids: list[int]
 
 # %% ../book/13_demo.ipynb #c024
 # black -> red -> yellow -> white, the "hot" colour scale, at 0, 1/3, 2/3 and 1
-_HOT = np.array([[0, 0, 0], [230, 30, 0], [255, 220, 0], [255, 255, 255]], float)
+_HOT = np.array(
+    [[0, 0, 0], [230, 30, 0], [255, 220, 0], [255, 255, 255]], float
+)
 
 
 def heatmap(image: Image.Image, grid, alpha: float = 0.6) -> Image.Image:
-    """`grid` [side, side] (attention on each patch) laid over `image`: each patch
-    coloured by where it lies between the grid's smallest and largest values, one
-    block per patch (the model saw the image stretched to a square, so a patch is a
-    w/side x h/side block of the original), blended with the image"""
+    """`grid` [side, side] (attention on each patch) laid over `image`: each
+    patch coloured by where it lies between the grid's smallest and largest
+    values, one block per patch (the model saw the image stretched to a square,
+    so a patch is a w/side x h/side block of the original), blended with the
+    image"""
     grid = np.asarray(grid, dtype=float)
     spread = grid.max() - grid.min()
     scaled = (grid - grid.min()) / spread if spread > 0 else grid * 0  # [0, 1]
@@ -325,8 +369,9 @@ def heatmap(image: Image.Image, grid, alpha: float = 0.6) -> Image.Image:
 # %% ../book/13_demo.ipynb #c027
 @contextmanager
 def adapter_disabled(model):
-    """Inside the block the model computes without its LoRA adapters: each LoraLinear
-    is swapped for the Linear it wraps (the same object, no copy), and put back after"""
+    """Inside the block the model computes without its LoRA adapters: each
+    LoraLinear is swapped for the Linear it wraps (the same object, no copy),
+    and put back after"""
     adapters = lora_modules(model)
     for name, lora in adapters.items():
         model.set_submodule(name, lora.base_layer)
@@ -338,13 +383,14 @@ def adapter_disabled(model):
 
 
 def shipped_adapter(name: str = "receipts") -> Path | None:
-    "The folder of an adapter the package ships (paligemma_lib/assets/NAME), or None"
+    """The folder of an adapter the package ships (paligemma_lib/assets/NAME),
+    or None"""
     folder = Path(find_spec("paligemma_lib").origin).parent / "assets" / name
     return folder if (folder / "adapter_config.json").is_file() else None
 
 # %% ../book/13_demo.ipynb #c032
-# The bundled examples: test-split scenes of chapter 11's worlds (never trained on),
-# each with the task the demo asks first and its text
+# The bundled examples: test-split scenes of chapter 11's worlds (never trained
+# on), each with the task the demo asks first and its text
 EXAMPLES = {
     "shapes": ("shapes", 1_000_010_000, "caption", ""),
     "shapes to detect": ("shapes", 1_000_010_003, "detect", "circle"),

@@ -10,23 +10,26 @@ import json
 import shutil
 from pathlib import Path
 
+from .processing import load_image
 from PIL import Image
 from torch.utils.data import Dataset
 
-from .processing import load_image
-
-__doc__ = """Fine-tuning data (chapter 12): `JsonlDataset` reads a folder of images
-and a JSONL file of {"image", "prefix", "suffix"} lines, checking every line first;
-`write_jsonl` writes one; `cord_to_jsonl` converts CORD-v2 receipts to it."""
+__doc__ = """Fine-tuning data (chapter 12): `JsonlDataset` reads a folder of
+images and a JSONL file of {"image", "prefix", "suffix"} lines, checking every
+line first; `write_jsonl` writes one; `cord_to_jsonl` converts CORD-v2 receipts
+to it."""
 
 # %% ../book/12_fine_tuning.ipynb #c012
 KEYS = ("image", "prefix", "suffix")
-EXAMPLE_LINE = '{"image": "images/0001.png", "prefix": "caption en", "suffix": "a cat"}'
+EXAMPLE_LINE = (
+    '{"image": "images/0001.png", "prefix": "caption en", "suffix": "a cat"}'
+)
 MAX_REPORTED = 10  # bad lines listed in one error
 
 
 class JsonlError(ValueError):
-    "A data folder or JSONL file that cannot be used as it is; the message says why"
+    """A data folder or JSONL file that cannot be used as it is; the message
+    says why"""
 
 
 def find_jsonl(path) -> Path:
@@ -34,13 +37,14 @@ def find_jsonl(path) -> Path:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(
-            f"no data at {path}: give a folder holding one .jsonl file, or the file"
+            f"no data at {path}: give a folder holding one .jsonl file, or "
+            "the file"
         )
     if path.is_file():
         if path.suffix != ".jsonl":
             raise JsonlError(
-                f"{path} is not a .jsonl file: give a JSONL file (one JSON object "
-                "a line) or the folder that holds it"
+                f"{path} is not a .jsonl file: give a JSONL file (one JSON "
+                "object a line) or the folder that holds it"
             )
         return path
     found = sorted(path.glob("*.jsonl"))
@@ -54,48 +58,53 @@ def find_jsonl(path) -> Path:
 
 # %% ../book/12_fine_tuning.ipynb #c013
 def check_record(record, folder: Path) -> tuple[Path, str, str]:
-    """One parsed JSONL line -> (image path, prefix, suffix), or a JsonlError saying
-    what is wrong with it (without the file and line, which the caller adds)"""
+    """One parsed JSONL line -> (image path, prefix, suffix), or a JsonlError
+    saying what is wrong with it (without the file and line, which the caller
+    adds)"""
     if not isinstance(record, dict):
         raise JsonlError(
-            f"a JSON {type(record).__name__}, not an object; each line must be one "
-            f"object such as {EXAMPLE_LINE}"
+            f"a JSON {type(record).__name__}, not an object; each line must "
+            f"be one object such as {EXAMPLE_LINE}"
         )
     for key in KEYS:
         if key not in record:
             raise JsonlError(
-                f'no "{key}" key; each line needs "image", "prefix" and "suffix", '
-                f"as in {EXAMPLE_LINE}"
+                f'no "{key}" key; each line needs "image", "prefix" and '
+                f'"suffix", as in {EXAMPLE_LINE}'
             )
         if not isinstance(record[key], str):
             raise JsonlError(
-                f'"{key}" is a {type(record[key]).__name__} ({record[key]!r}), not a '
-                f"string; write it in quotes"
+                f'"{key}" is a {type(record[key]).__name__} '
+                f"({record[key]!r}), not a string; write it in quotes"
             )
     if not record["suffix"].strip():
         raise JsonlError(
-            'an empty "suffix": the model would learn nothing from it; write the '
-            "answer, or remove the line"
+            'an empty "suffix": the model would learn nothing from it; '
+            "write the answer, or remove the line"
         )
     image = folder / record["image"]
     try:
         load_image(image)  # decoded in full: a truncated file fails here
     except FileNotFoundError:
         raise JsonlError(
-            f"no image file {image}; image paths are relative to {folder}, the "
-            "folder of the .jsonl file"
+            f"no image file {image}; image paths are relative to {folder}, "
+            "the folder of the .jsonl file"
         ) from None
     except (IsADirectoryError, ValueError, TypeError) as e:
-        raise JsonlError(f"{e}; replace the image or remove the line") from None
+        raise JsonlError(
+            f"{e}; replace the image or remove the line"
+        ) from None
     return image, record["prefix"], record["suffix"]
 
 # %% ../book/12_fine_tuning.ipynb #c014
 def read_jsonl(path) -> list[tuple[Path, str, str]]:
-    """Every line of the JSONL file of `path` (see find_jsonl), checked -> [(image path,
-    prefix, suffix)]; a JsonlError naming the file and line of each problem found"""
+    """Every line of the JSONL file of `path` (see find_jsonl), checked ->
+    [(image path, prefix, suffix)]; a JsonlError naming the file and line of
+    each problem found"""
     file = find_jsonl(path)
     try:
-        text = file.read_text(encoding="utf-8-sig")  # a byte-order mark is allowed
+        # a byte-order mark is allowed
+        text = file.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise JsonlError(
             f"{file} is not UTF-8 text (byte {e.start}); save it as UTF-8"
@@ -108,8 +117,9 @@ def read_jsonl(path) -> list[tuple[Path, str, str]]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             problems.append(
-                f"{file}, line {number}: not valid JSON ({e.msg}, column {e.colno}); "
-                f"each line must be one object such as {EXAMPLE_LINE}"
+                f"{file}, line {number}: not valid JSON ({e.msg}, column "
+                f"{e.colno}); each line must be one object such as "
+                f"{EXAMPLE_LINE}"
             )
             continue
         try:
@@ -125,14 +135,17 @@ def read_jsonl(path) -> list[tuple[Path, str, str]]:
             f"{len(problems)} bad line(s) in {file}:\n" + "\n".join(listed)
         )
     if not records:
-        raise JsonlError(f"{file} holds no examples; add lines such as {EXAMPLE_LINE}")
+        raise JsonlError(
+            f"{file} holds no examples; add lines such as {EXAMPLE_LINE}"
+        )
     return records
 
 # %% ../book/12_fine_tuning.ipynb #c015
 class JsonlDataset(Dataset):
-    """(PIL RGB image, prefix, suffix) triples from a JSONL data folder (or file), each
-    line checked when the dataset is made (see read_jsonl); the images are read when
-    an example is asked for. Works with paligemma_lib.data.Collator and train."""
+    """(PIL RGB image, prefix, suffix) triples from a JSONL data folder (or
+    file), each line checked when the dataset is made (see read_jsonl); the
+    images are read when an example is asked for. Works with
+    paligemma_lib.data.Collator and train."""
 
     def __init__(self, path):
         self.file = find_jsonl(path)
@@ -146,7 +159,9 @@ class JsonlDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple:
         if not -len(self) <= i < len(self):
-            raise IndexError(f"index {i} is outside this data set of {len(self)}")
+            raise IndexError(
+                f"index {i} is outside this data set of {len(self)}"
+            )
         image, prefix, suffix = self.records[i]
         return load_image(image), prefix, suffix
 
@@ -155,7 +170,8 @@ DATA_FILE = "data.jsonl"
 
 
 def _save_image(image, folder: Path, i: int) -> str:
-    "Write example i's image under folder/images -> its path relative to folder"
+    """Write example i's image under folder/images -> its path relative to
+    folder"""
     if isinstance(image, (str, Path)):
         load_image(image)  # a clear error now for a missing or broken file
         name = f"images/{i:06d}{Path(image).suffix.lower()}"
@@ -169,15 +185,16 @@ def _save_image(image, folder: Path, i: int) -> str:
             load_image(image).save(folder / name)  # RGB, as the model sees it
     else:
         raise TypeError(
-            f"example {i}: the image is a {type(image).__name__}; give a PIL image "
-            "or a file path"
+            f"example {i}: the image is a {type(image).__name__}; give a PIL "
+            "image or a file path"
         )
     return name
 
 
 def write_jsonl(examples, folder) -> Path:
-    """(image, prefix, suffix) triples -> folder/data.jsonl and folder/images/, the
-    format JsonlDataset reads; images are PIL images or file paths. -> the file"""
+    """(image, prefix, suffix) triples -> folder/data.jsonl and folder/images/,
+    the format JsonlDataset reads; images are PIL images or file paths. -> the
+    file"""
     folder = Path(folder)
     if folder.is_dir() and any(folder.glob("*.jsonl")):
         raise JsonlError(
@@ -201,11 +218,16 @@ CORD_PROMPT = "extract json"
 
 
 def cord_answer(ground_truth) -> str | None:
-    """A CORD-v2 row's ground_truth (its JSON string, or the parsed dict) -> our answer,
-    '{"total":"..."}' with the total as printed; None when the row labels no total"""
+    """A CORD-v2 row's ground_truth (its JSON string, or the parsed dict) ->
+    our answer, '{"total":"..."}' with the total as printed; None when the row
+    labels no total"""
     if isinstance(ground_truth, str):
         ground_truth = json.loads(ground_truth)
-    parse = ground_truth.get("gt_parse") if isinstance(ground_truth, dict) else None
+    parse = (
+        ground_truth.get("gt_parse")
+        if isinstance(ground_truth, dict)
+        else None
+    )
     if not isinstance(parse, dict):
         raise ValueError(
             "ground_truth has no gt_parse object; is this a row of "
@@ -214,22 +236,28 @@ def cord_answer(ground_truth) -> str | None:
     total = parse.get("total")
     price = total.get("total_price") if isinstance(total, dict) else None
     if not isinstance(price, str) or not price.strip():
-        return None  # unlabelled, or labelled twice (a list): not a clear target
+        # unlabelled, or labelled twice (a list): not a clear target
+        return None
     return json.dumps({"total": price.strip()}, separators=(",", ":"))
 
 
 def cord_to_jsonl(records, folder) -> dict:
-    """CORD-v2 rows ({"image": PIL image, "ground_truth": JSON string}, e.g. from
-    datasets.load_dataset("naver-clova-ix/cord-v2", split="train")) -> a JSONL data
-    folder (see write_jsonl) with the prompt CORD_PROMPT and cord_answer's answers.
-    -> {"written": how many, "skipped": [row numbers without a total]}"""
+    """CORD-v2 rows ({"image": PIL image, "ground_truth": JSON string}, e.g.
+    from datasets.load_dataset("naver-clova-ix/cord-v2", split="train")) -> a
+    JSONL data folder (see write_jsonl) with the prompt CORD_PROMPT and
+    cord_answer's answers. -> {"written": how many, "skipped": [row numbers
+    without a total]}"""
     skipped = []
 
     def examples():
         for i, row in enumerate(records):
-            if not isinstance(row, dict) or not {"image", "ground_truth"} <= set(row):
+            if not isinstance(row, dict) or not {
+                "image",
+                "ground_truth",
+            } <= set(row):
                 raise ValueError(
-                    f"CORD row {i} is not a dict with 'image' and 'ground_truth'"
+                    f"CORD row {i} is not a dict with 'image' and "
+                    "'ground_truth'"
                 )
             try:
                 target = cord_answer(row["ground_truth"])
@@ -241,5 +269,7 @@ def cord_to_jsonl(records, folder) -> dict:
             yield row["image"], CORD_PROMPT, target
 
     file = write_jsonl(examples(), folder)
-    written = sum(1 for line in file.read_text(encoding="utf-8").splitlines() if line)
+    written = sum(
+        1 for line in file.read_text(encoding="utf-8").splitlines() if line
+    )
     return {"written": written, "skipped": skipped}

@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__doc__ = """The Gemma decoder. Chapter 4: RMSNorm, the gated MLP and rotary position
-embeddings. Chapter 5: attention with shared key/value heads, the decoder layers and
-`GemmaForCausalLM` with its tied LM head."""
+__doc__ = """The Gemma decoder. Chapter 4: RMSNorm, the gated MLP and rotary
+position embeddings. Chapter 5: attention with shared key/value heads, the
+decoder layers and `GemmaForCausalLM` with its tied LM head."""
 
 # %% ../book/04_gemma_building_blocks.ipynb #c015
 class GemmaRMSNorm(nn.Module):
-    """RMSNorm with Gemma's (1 + weight) scale, the weight starting at 0; computed in
-    float32 and cast back at the end"""
+    """RMSNorm with Gemma's (1 + weight) scale, the weight starting at 0;
+    computed in float32 and cast back at the end"""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -30,7 +30,9 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = x32 * torch.rsqrt(
+            x32.pow(2).mean(-1, keepdim=True) + self.eps
+        )
         # Scale, then round once.
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
@@ -39,7 +41,8 @@ class GemmaRMSNorm(nn.Module):
 
 # %% ../book/04_gemma_building_blocks.ipynb #c024
 class GemmaMLP(nn.Module):
-    "GeGLU feed-forward: down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)), no biases"
+    """GeGLU feed-forward: down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)), no
+    biases"""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -48,13 +51,16 @@ class GemmaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = F.gelu(self.gate_proj(x), approximate="tanh")  # [B, S, intermediate]
+        # [B, S, intermediate]
+        gate = F.gelu(self.gate_proj(x), approximate="tanh")
         return self.down_proj(gate * self.up_proj(x))  # [B, S, D]
 
 # %% ../book/04_gemma_building_blocks.ipynb #c029
-def rope_inv_freq(head_dim: int, theta: float = 10000.0, device=None) -> torch.Tensor:
-    """The rotation speed of each pair of dimensions, theta ** (-2i / head_dim) for
-    i < head_dim / 2, in float32"""
+def rope_inv_freq(
+    head_dim: int, theta: float = 10000.0, device=None
+) -> torch.Tensor:
+    """The rotation speed of each pair of dimensions, theta ** (-2i / head_dim)
+    for i < head_dim / 2, in float32"""
     if head_dim % 2:
         raise ValueError(
             f"head_dim {head_dim} is odd: RoPE rotates pairs of dimensions, "
@@ -74,34 +80,40 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ):
-    """Rotate queries [B, H, S, d_h] and keys [B, K, S, d_h] by the angles whose cos and
-    sin are [B, S, d_h]"""
+    """Rotate queries [B, H, S, d_h] and keys [B, K, S, d_h] by the angles
+    whose cos and sin are [B, S, d_h]"""
     # [B, 1, S, d_h]: the same rotation for every head
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 # %% ../book/04_gemma_building_blocks.ipynb #c042
 class GemmaRotaryEmbedding(nn.Module):
-    """cos and sin of the RoPE angles position * inv_freq, computed in float32 and
-    returned in the activations' dtype"""
+    """cos and sin of the RoPE angles position * inv_freq, computed in float32
+    and returned in the activations' dtype"""
 
     def __init__(self, head_dim: int, theta: float = 10000.0):
         super().__init__()
         if head_dim % 2:
             raise ValueError(
-                f"head_dim {head_dim} is odd: RoPE rotates pairs of dimensions, "
-                f"so head_dim must be even"
+                f"head_dim {head_dim} is odd: RoPE rotates pairs of "
+                "dimensions, so head_dim must be even"
             )
         self.head_dim, self.theta = head_dim, theta
-        self.inv_freq = {}  # device -> rope_inv_freq [d_h/2] in float32, on first use
+        # device -> rope_inv_freq [d_h/2] in float32, on first use
+        self.inv_freq = {}
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
-        "position_ids [B, S] (integers) -> (cos, sin), each [B, S, head_dim] in `dtype`"
+    def forward(
+        self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32
+    ):
+        """position_ids [B, S] (integers) -> (cos, sin), each [B, S, head_dim]
+        in `dtype`"""
         device = position_ids.device
         inv_freq = self.inv_freq.get(device)  # [d_h/2]
         if inv_freq is None:
             with torch.inference_mode(False):  # usable later by autograd too
-                inv_freq = rope_inv_freq(self.head_dim, self.theta, device=device)
+                inv_freq = rope_inv_freq(
+                    self.head_dim, self.theta, device=device
+                )
             self.inv_freq[device] = inv_freq
         # [B, S, d_h/2], in float32 whatever `dtype` is
         angles = position_ids.float()[..., None] * inv_freq
@@ -119,19 +131,20 @@ from .config import TextConfig
 
 # %% ../book/05_gemma_decoder.ipynb #c015
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, K, S, d_h] -> [B, K * n_rep, S, d_h]: each key/value head repeated for the
-    n_rep query heads of its group"""
+    """[B, K, S, d_h] -> [B, K * n_rep, S, d_h]: each key/value head repeated
+    for the n_rep query heads of its group"""
     if n_rep == 1:
         return x
     B, K, S, d_h = x.shape
-    x = x[:, :, None].expand(B, K, n_rep, S, d_h)  # [B, K, n_rep, S, d_h], a view
+    # [B, K, n_rep, S, d_h], a view
+    x = x[:, :, None].expand(B, K, n_rep, S, d_h)
     # [B, H, S, d_h], a copy: query head h gets key/value head h // n_rep
     return x.reshape(B, K * n_rep, S, d_h)
 
 # %% ../book/05_gemma_decoder.ipynb #c024
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean mask (True = may attend) -> additive float mask: 0 where allowed, the
-    dtype's most negative finite value where not"""
+    """Boolean mask (True = may attend) -> additive float mask: 0 where
+    allowed, the dtype's most negative finite value where not"""
     zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return zeros.masked_fill(~allowed, torch.finfo(dtype).min)
 
@@ -143,19 +156,21 @@ def make_causal_mask(
     past_length: int = 0,
     device=None,
 ):
-    """Additive mask [B, 1, S, S_kv], S_kv = past_length + S: each query sees the keys
-    up to its own position. `attention_mask` is None or a 2-D padding mask [B, S_kv]
-    (1 = token, 0 = padding), whose padding is masked too."""
+    """Additive mask [B, 1, S, S_kv], S_kv = past_length + S: each query sees
+    the keys up to its own position. `attention_mask` is None or a 2-D padding
+    mask [B, S_kv] (1 = token, 0 = padding), whose padding is masked too."""
     key_length = past_length + query_length
     if attention_mask is not None:
         if attention_mask.ndim != 2 or attention_mask.shape[1] != key_length:
             raise ValueError(
-                f"the 2-D attention_mask has shape {list(attention_mask.shape)}; "
-                f"expected [batch, {key_length}]: one entry per key, the "
-                f"{past_length} cached ones and the {query_length} new ones"
+                "the 2-D attention_mask has shape "
+                f"{list(attention_mask.shape)}; expected [batch, "
+                f"{key_length}]: one entry per key, the {past_length} cached "
+                f"ones and the {query_length} new ones"
             )
         device = attention_mask.device
-    query_positions = torch.arange(past_length, key_length, device=device)  # [S]
+    # [S]
+    query_positions = torch.arange(past_length, key_length, device=device)
     key_positions = torch.arange(key_length, device=device)  # [S_kv]
     allowed = key_positions[None, :] <= query_positions[:, None]  # [S, S_kv]
     allowed = allowed[None, None]  # [1, 1, S, S_kv]
@@ -168,9 +183,12 @@ def make_causal_mask(
 def sliding_window_allowed(
     query_length: int, key_length: int, window: int, device=None
 ) -> torch.Tensor:
-    """[S, S_kv] bool: key j lies within `window` positions of query i, j > i - window,
-    the S queries being the last S of the S_kv keys (Gemma 2's local layers)"""
-    query_index = torch.arange(key_length - query_length, key_length, device=device)
+    """[S, S_kv] bool: key j lies within `window` positions of query i, j > i -
+    window, the S queries being the last S of the S_kv keys (Gemma 2's local
+    layers)"""
+    query_index = torch.arange(
+        key_length - query_length, key_length, device=device
+    )
     key_index = torch.arange(key_length, device=device)
     return key_index[None, :] > query_index[:, None] - window
 
@@ -181,8 +199,9 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def softcapped_attention(q, k, v, attention_mask, scale, cap, dropout_p=0.0):
-    """softmax(soft_cap(q k^T * scale, cap) + mask) v for q [B, H, S, d_h] and k, v
-    [B, H, S_kv, d_h]: Gemma 2's attention, capped before the mask, float32 softmax"""
+    """softmax(soft_cap(q k^T * scale, cap) + mask) v for q [B, H, S, d_h] and
+    k, v [B, H, S_kv, d_h]: Gemma 2's attention, capped before the mask,
+    float32 softmax"""
     scores = soft_cap(q @ k.transpose(-1, -2) * scale, cap)  # [B, H, S, S_kv]
     if attention_mask is not None:
         scores = scores + attention_mask
@@ -192,8 +211,8 @@ def softcapped_attention(q, k, v, attention_mask, scale, cap, dropout_p=0.0):
 
 
 class GemmaAttention(nn.Module):
-    """Multi-head attention whose H query heads share K key/value heads (MQA/GQA),
-    with RoPE"""
+    """Multi-head attention whose H query heads share K key/value heads
+    (MQA/GQA), with RoPE"""
 
     def __init__(self, config: TextConfig, layer_idx: int):
         super().__init__()
@@ -209,7 +228,11 @@ class GemmaAttention(nn.Module):
         self.o_proj = nn.Linear(H * d_h, D, bias=False)
 
     def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, kv_cache=None
+        self,
+        hidden_states,
+        position_embeddings,
+        attention_mask=None,
+        kv_cache=None,
     ):
         """hidden_states [B, S, D], (cos, sin) [B, S, d_h], additive mask
         [B, 1, S, S_kv] -> [B, S, D]"""
@@ -227,14 +250,25 @@ class GemmaAttention(nn.Module):
         groups = self.config.num_key_value_groups
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # [B, H, S_kv, d_h]
         dropout = self.config.attention_dropout if self.training else 0.0
-        scale, cap = self.config.attention_scale, self.config.attn_logit_softcapping
+        scale, cap = (
+            self.config.attention_scale,
+            self.config.attn_logit_softcapping,
+        )
         if cap is None:  # [B, H, S, d_h]
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scale
+                q,
+                k,
+                v,
+                attn_mask=attention_mask,
+                dropout_p=dropout,
+                scale=scale,
             )
         else:  # Gemma 2: no fused kernel caps the scores
-            out = softcapped_attention(q, k, v, attention_mask, scale, cap, dropout)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, H * d_h))  # [B, S, D]
+            out = softcapped_attention(
+                q, k, v, attention_mask, scale, cap, dropout
+            )
+        # [B, S, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, H * d_h))
 
 
 def _check_mask_covers_keys(attention_mask, num_keys: int, layer_idx: int):
@@ -242,14 +276,15 @@ def _check_mask_covers_keys(attention_mask, num_keys: int, layer_idx: int):
     if attention_mask is not None and attention_mask.shape[-1] != num_keys:
         raise ValueError(
             f"attention_mask covers {attention_mask.shape[-1]} keys but layer "
-            f"{layer_idx} attends to {num_keys} (cached + new); the mask needs one "
-            f"column per key"
+            f"{layer_idx} attends to {num_keys} (cached + new); the mask "
+            "needs one column per key"
         )
 
 # %% ../book/05_gemma_decoder.ipynb #c032
 class GemmaDecoderLayer(nn.Module):
-    """Pre-norm layer: h + attention(RMSNorm(h)), then h + MLP(RMSNorm(h)); Gemma 2
-    norms each sublayer's output too: h + RMSNorm(attention(RMSNorm(h))), ..."""
+    """Pre-norm layer: h + attention(RMSNorm(h)), then h + MLP(RMSNorm(h));
+    Gemma 2 norms each sublayer's output too: h +
+    RMSNorm(attention(RMSNorm(h))), ..."""
 
     def __init__(self, config: TextConfig, layer_idx: int):
         super().__init__()
@@ -257,21 +292,29 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn = GemmaAttention(config, layer_idx)
         self.mlp = GemmaMLP(D, config.intermediate_size)
         self.input_layernorm = GemmaRMSNorm(D, eps=eps)
-        # Gemma 1: the MLP's input norm. Gemma 2: the norm of the attention's output.
+        # Gemma 1: the MLP's input norm. Gemma 2: the norm of the attention's
+        # output.
         self.post_attention_layernorm = GemmaRMSNorm(D, eps=eps)
         self.post_norms = config.post_norms
-        if self.post_norms:  # Gemma 2: the MLP's input norm and its output's norm
+        # Gemma 2: the MLP's input norm and its output's norm
+        if self.post_norms:
             self.pre_feedforward_layernorm = GemmaRMSNorm(D, eps=eps)
             self.post_feedforward_layernorm = GemmaRMSNorm(D, eps=eps)
         # Gemma 2's local layers: the model hands them the sliding-window mask
         self.is_sliding = config.is_sliding(layer_idx)
 
     def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, kv_cache=None
+        self,
+        hidden_states,
+        position_embeddings,
+        attention_mask=None,
+        kv_cache=None,
     ):
         "[B, S, D] -> [B, S, D]"
         normed = self.input_layernorm(hidden_states)
-        attended = self.self_attn(normed, position_embeddings, attention_mask, kv_cache)
+        attended = self.self_attn(
+            normed, position_embeddings, attention_mask, kv_cache
+        )
         if not self.post_norms:
             hidden_states = hidden_states + attended
             return hidden_states + self.mlp(
@@ -284,10 +327,15 @@ class GemmaDecoderLayer(nn.Module):
 
 # %% ../book/05_gemma_decoder.ipynb #c035
 def prepare_attention_mask(
-    attention_mask, batch_size: int, query_length: int, past_length: int, dtype, device
+    attention_mask,
+    batch_size: int,
+    query_length: int,
+    past_length: int,
+    dtype,
+    device,
 ):
-    """None, a 2-D padding mask [B, S_kv] or an additive 4-D mask [B, 1, S, S_kv]
-    -> the additive mask in `dtype`"""
+    """None, a 2-D padding mask [B, S_kv] or an additive 4-D mask [B, 1, S,
+    S_kv] -> the additive mask in `dtype`"""
     if attention_mask is None or attention_mask.ndim == 2:
         _check_mask_batch(attention_mask, batch_size)
         return make_causal_mask(
@@ -302,14 +350,15 @@ def _check_mask_batch(attention_mask, batch_size: int):
     "Raise a clear error unless a 2-D padding mask has one row per sequence"
     if attention_mask is not None and attention_mask.shape[0] != batch_size:
         raise ValueError(
-            f"the 2-D attention_mask has {attention_mask.shape[0]} rows but the input "
-            f"is a batch of {batch_size}; pass one padding mask row per sequence, "
-            f"[batch, keys]"
+            f"the 2-D attention_mask has {attention_mask.shape[0]} rows but "
+            f"the input is a batch of {batch_size}; pass one padding mask row "
+            "per sequence, [batch, keys]"
         )
 
 
 def _check_4d_mask(attention_mask, batch_size: int, query_length: int):
-    "Raise a clear error unless the mask is additive floats [B or 1, 1, S, S_kv]"
+    """Raise a clear error unless the mask is additive floats [B or 1, 1, S,
+    S_kv]"""
     B, S = batch_size, query_length
     shape = attention_mask.shape
     if (
@@ -319,14 +368,14 @@ def _check_4d_mask(attention_mask, batch_size: int, query_length: int):
         or shape[2] != S
     ):
         raise ValueError(
-            f"attention_mask has shape {list(shape)}; expected a 2-D padding mask "
-            f"[batch, keys] or an additive 4-D mask [batch, 1, {S}, keys]"
+            f"attention_mask has shape {list(shape)}; expected a 2-D padding "
+            f"mask [batch, keys] or an additive 4-D mask [batch, 1, {S}, keys]"
         )
     if not attention_mask.is_floating_point():
         raise ValueError(
-            f"the 4-D attention_mask has dtype {attention_mask.dtype}; it must be "
-            f"additive floats (0 = attend, very negative = blocked): build it from a "
-            f"boolean one with additive_mask(allowed, dtype)"
+            f"the 4-D attention_mask has dtype {attention_mask.dtype}; it "
+            "must be additive floats (0 = attend, very negative = blocked): "
+            "build it from a boolean one with additive_mask(allowed, dtype)"
         )
 
 # %% ../book/05_gemma_decoder.ipynb #c063
@@ -340,12 +389,13 @@ def _check_one_input(input_ids, inputs_embeds):
 
 
 def _check_token_ids(input_ids: torch.Tensor, vocab_size: int):
-    "Raise a clear error unless `input_ids` are integers from 0 to vocab_size - 1"
+    """Raise a clear error unless `input_ids` are integers from 0 to vocab_size
+    - 1"""
     if input_ids.is_floating_point():
         raise ValueError(
-            f"input_ids has dtype {input_ids.dtype}; token ids must be integers "
-            f"(torch.long), as the tokenizer returns them. Vectors that are already "
-            f"embedded go in as inputs_embeds instead"
+            f"input_ids has dtype {input_ids.dtype}; token ids must be "
+            "integers (torch.long), as the tokenizer returns them. Vectors "
+            "that are already embedded go in as inputs_embeds instead"
         )
     if input_ids.is_meta or not input_ids.numel():
         return  # a meta tensor has no values to check
@@ -353,13 +403,14 @@ def _check_token_ids(input_ids: torch.Tensor, vocab_size: int):
     if low < 0 or high >= vocab_size:
         raise ValueError(
             f"input_ids range from {low} to {high}, but the vocabulary has "
-            f"{vocab_size} entries (0 to {vocab_size - 1}); do the tokenizer and the "
-            f"config match?"
+            f"{vocab_size} entries (0 to {vocab_size - 1}); do the tokenizer "
+            "and the config match?"
         )
 
 
 def _check_inputs_embeds(inputs_embeds: torch.Tensor, hidden_size: int, dtype):
-    "Raise a clear error unless `inputs_embeds` is [B, S, D] in the model's dtype"
+    """Raise a clear error unless `inputs_embeds` is [B, S, D] in the model's
+    dtype"""
     if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != hidden_size:
         raise ValueError(
             f"inputs_embeds has shape {list(inputs_embeds.shape)}; "
@@ -367,8 +418,8 @@ def _check_inputs_embeds(inputs_embeds: torch.Tensor, hidden_size: int, dtype):
         )
     if inputs_embeds.dtype != dtype:
         raise ValueError(
-            f"inputs_embeds has dtype {inputs_embeds.dtype} but the model's weights "
-            f"are {dtype}; cast them with inputs_embeds.to({dtype}) "
+            f"inputs_embeds has dtype {inputs_embeds.dtype} but the model's "
+            f"weights are {dtype}; cast them with inputs_embeds.to({dtype}) "
             f"(or the model with .to({inputs_embeds.dtype}))"
         )
 
@@ -385,31 +436,37 @@ def default_or_checked_positions(
     if position_ids.ndim != 2 or shape[0] not in (1, B) or shape[1] != S:
         expected = f"[1, {S}]" if B == 1 else f"[{B}, {S}] or [1, {S}]"
         raise ValueError(
-            f"position_ids has shape {list(shape)}; expected {expected}: one position "
-            f"per new token (or leave it None for positions {past_length}, "
-            f"{past_length + 1}, ...)"
+            f"position_ids has shape {list(shape)}; expected {expected}: one "
+            "position per new token (or leave it None for positions "
+            f"{past_length}, {past_length + 1}, ...)"
         )
     return position_ids
 
 # %% ../book/05_gemma_decoder.ipynb #c036
 class GemmaModel(nn.Module):
-    "Token embedding (scaled by sqrt(D)), the decoder layers and the final RMSNorm"
+    """Token embedding (scaled by sqrt(D)), the decoder layers and the final
+    RMSNorm"""
 
     def __init__(self, config: TextConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id
+            config.vocab_size,
+            config.hidden_size,
+            padding_idx=config.pad_token_id,
         )
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            GemmaDecoderLayer(config, i)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = GemmaRotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary_emb = GemmaRotaryEmbedding(
+            config.head_dim, config.rope_theta
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, S] -> embeddings [B, S, D] times sqrt(D), the factor rounded to
-        the weights' dtype"""
+        """Token ids [B, S] -> embeddings [B, S, D] times sqrt(D), the factor
+        rounded to the weights' dtype"""
         _check_token_ids(input_ids, self.config.vocab_size)
         dtype = self.embed_tokens.weight.dtype
         scale = torch.tensor(self.config.hidden_size**0.5, dtype=dtype)
@@ -425,8 +482,8 @@ class GemmaModel(nn.Module):
         sliding_attention_mask=None,
     ):
         """-> the final hidden states [B, S, D]. Gemma 2's local layers take
-        `sliding_attention_mask` (as `attention_mask`), or else the mask with the keys
-        outside the window blocked"""
+        `sliding_attention_mask` (as `attention_mask`), or else the mask with
+        the keys outside the window blocked"""
         _check_one_input(input_ids, inputs_embeds)
         if inputs_embeds is None:
             h = self.embed(input_ids)  # [B, S, D]
@@ -436,12 +493,18 @@ class GemmaModel(nn.Module):
             h = inputs_embeds
         B, S, _ = h.shape
         past = kv_cache.get_seq_length() if kv_cache is not None else 0
-        positions = default_or_checked_positions(position_ids, B, S, past, h.device)
-        mask = prepare_attention_mask(attention_mask, B, S, past, h.dtype, h.device)
+        positions = default_or_checked_positions(
+            position_ids, B, S, past, h.device
+        )
+        mask = prepare_attention_mask(
+            attention_mask, B, S, past, h.dtype, h.device
+        )
         cos_sin = self.rotary_emb(positions, h.dtype)  # shared by all layers
         sliding = self._sliding_mask(mask, sliding_attention_mask, past)
         for layer in self.layers:
-            h = layer(h, cos_sin, sliding if layer.is_sliding else mask, kv_cache)
+            h = layer(
+                h, cos_sin, sliding if layer.is_sliding else mask, kv_cache
+            )
         return self.norm(h)  # [B, S, D]
 
     def _sliding_mask(self, mask, sliding_attention_mask, past: int):
@@ -460,22 +523,23 @@ class GemmaModel(nn.Module):
 # %% ../book/05_gemma_decoder.ipynb #c038
 @dataclass
 class CausalLMOutput:
-    """What GemmaForCausalLM returns: logits [B, S, V], and the KV cache it was given
-    (now updated), if any"""
+    """What GemmaForCausalLM returns: logits [B, S, V], and the KV cache it was
+    given (now updated), if any"""
 
     logits: torch.Tensor
     kv_cache: object = None
 
 
 class GemmaForCausalLM(nn.Module):
-    "GemmaModel plus the LM head, which is the embedding table (tied: one Parameter)"
+    """GemmaModel plus the LM head, which is the embedding table (tied: one
+    Parameter)"""
 
     def __init__(self, config: TextConfig):
         super().__init__()
         self.config = config
         self.model = GemmaModel(config)
-        # Built on `meta` (no memory): its weight is replaced by the embedding table
-        # right away.
+        # Built on `meta` (no memory): its weight is replaced by the embedding
+        # table right away.
         self.lm_head = nn.Linear(
             config.hidden_size, config.vocab_size, bias=False, device="meta"
         )
@@ -512,7 +576,8 @@ class GemmaForCausalLM(nn.Module):
         return CausalLMOutput(logits=logits, kv_cache=kv_cache)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        "Final hidden states [..., D] -> logits [..., V]: the LM head, Gemma 2's cap"
+        """Final hidden states [..., D] -> logits [..., V]: the LM head, Gemma
+        2's cap"""
         logits = self.lm_head(hidden_states)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else soft_cap(logits, cap)

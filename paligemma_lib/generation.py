@@ -17,20 +17,21 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from .gemma import additive_mask
 from .kv_cache import DynamicKVCache, StaticKVCache
 from .paligemma import PaliGemmaForConditionalGeneration
 from .processing import PaliGemmaProcessor
+from torch import nn
 
-__doc__ = """Generation (chapter 8): `generate` continues token ids with a KV cache,
-greedy or sampled (temperature, top-k, top-p); `answer` takes images and prompts and
-returns strings."""
+__doc__ = """Generation (chapter 8): `generate` continues token ids with a KV
+cache, greedy or sampled (temperature, top-k, top-p); `answer` takes images and
+prompts and returns strings."""
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c007e
-REHEARSAL = "PALIGEMMA_REHEARSE_GPU"  # "t4": the CPU takes the GPU branches as a T4
-REHEARSAL_RECORD = "PALIGEMMA_REHEARSAL_RECORD"  # a file the branches taken go to
+# "t4": the CPU takes the GPU branches as a T4
+REHEARSAL = "PALIGEMMA_REHEARSE_GPU"
+# a file the branches taken go to
+REHEARSAL_RECORD = "PALIGEMMA_REHEARSAL_RECORD"
 
 
 def rehearsal() -> str | None:
@@ -46,17 +47,20 @@ def rehearsal() -> str | None:
 
 
 def stands_in_for_gpu(device) -> bool:
-    """True for `cpu:0` while `rehearsal()` plays a T4: the device `pick_device`
-    answers then. Plain "cpu" stays the CPU, so code that asks for the CPU itself
-    still computes as a CPU does"""
+    """True for `cpu:0` while `rehearsal()` plays a T4: the device
+    `pick_device` answers then. Plain "cpu" stays the CPU, so code that asks
+    for the CPU itself still computes as a CPU does"""
     device = torch.device(device)
-    return device.type == "cpu" and device.index == 0 and rehearsal() is not None
+    return (
+        device.type == "cpu" and device.index == 0 and rehearsal() is not None
+    )
 
 
 def gpu_branch(device, name: str | None = None) -> bool:
-    """Whether to take the GPU branch on `device`: on a CUDA device, and on the CPU
-    standing in for a T4 (`stands_in_for_gpu`). `name` names a chapter's branch: each
-    one taken is appended to the file $PALIGEMMA_REHEARSAL_RECORD, when that is set"""
+    """Whether to take the GPU branch on `device`: on a CUDA device, and on the
+    CPU standing in for a T4 (`stands_in_for_gpu`). `name` names a chapter's
+    branch: each one taken is appended to the file $PALIGEMMA_REHEARSAL_RECORD,
+    when that is set"""
     device = torch.device(device)
     taken = device.type == "cuda" or stands_in_for_gpu(device)
     record = os.environ.get(REHEARSAL_RECORD)
@@ -67,8 +71,8 @@ def gpu_branch(device, name: str | None = None) -> bool:
 
 
 def has_native_bf16(device: torch.device) -> bool:
-    """False on a CUDA GPU older than Ampere (compute capability < 8.0, e.g. a T4),
-    and on the CPU standing in for a T4; True on other devices"""
+    """False on a CUDA GPU older than Ampere (compute capability < 8.0, e.g. a
+    T4), and on the CPU standing in for a T4; True on other devices"""
     device = torch.device(device)
     if device.type != "cuda":
         return not stands_in_for_gpu(device)
@@ -76,10 +80,10 @@ def has_native_bf16(device: torch.device) -> bool:
 
 
 def pick_device(device=None) -> tuple[torch.device, torch.dtype]:
-    """The device to run on and the dtype to compute in: `device` if given, else the
-    CUDA GPU when PyTorch sees one, else the CPU (`cpu:0`, standing in for a T4,
-    while `rehearsal()` plays one); bfloat16 on a GPU that has it in hardware,
-    float32 everywhere else (a T4 and its stand-in included)"""
+    """The device to run on and the dtype to compute in: `device` if given,
+    else the CUDA GPU when PyTorch sees one, else the CPU (`cpu:0`, standing in
+    for a T4, while `rehearsal()` plays one); bfloat16 on a GPU that has it in
+    hardware, float32 everywhere else (a T4 and its stand-in included)"""
     if device is None:
         if torch.cuda.is_available():
             device = "cuda"
@@ -105,50 +109,61 @@ def decode_step(
     attention_mask: torch.Tensor,
     kv_cache: StaticKVCache,
 ) -> torch.Tensor:
-    """One new token per row [B] -> next-token logits [B, V]. position_ids [B, 1];
-    attention_mask: the keys the token may see (itself included), 2-D [B, max_length]
-    with 1 for those, or already additive [B, 1, 1, max_length] in the model's dtype
-    (0 for those: `generate` keeps it so, and no step rebuilds it); the cache writes
-    where `kv_cache.seek` said. Every tensor has a fixed shape."""
+    """One new token per row [B] -> next-token logits [B, V]. position_ids [B,
+    1]; attention_mask: the keys the token may see (itself included), 2-D [B,
+    max_length] with 1 for those, or already additive [B, 1, 1, max_length] in
+    the model's dtype (0 for those: `generate` keeps it so, and no step
+    rebuilds it); the cache writes where `kv_cache.seek` said. Every tensor has
+    a fixed shape."""
     decoder = model.language_model.model
     dtype = decoder.embed_tokens.weight.dtype
     scale = torch.tensor(decoder.config.hidden_size**0.5, dtype=dtype)
     hidden = decoder.embed_tokens(token[:, None]) * scale  # [B, 1, D]
     mask = _additive_step_mask(attention_mask, dtype)  # [B, 1, 1, max_length]
     sliding, window = mask, decoder.config.sliding_window
-    if window is not None:  # Gemma 2's local layers: the last `window` keys only
+    # Gemma 2's local layers: the last `window` keys only
+    if window is not None:
         keys = torch.arange(mask.shape[-1], device=mask.device)
         far = keys <= kv_cache.cache_position[-1] - window  # [max_length]
         sliding = mask.masked_fill(far, torch.finfo(dtype).min)
     cos_sin = decoder.rotary_emb(position_ids, dtype)
     for layer in decoder.layers:
-        hidden = layer(hidden, cos_sin, sliding if layer.is_sliding else mask, kv_cache)
+        hidden = layer(
+            hidden, cos_sin, sliding if layer.is_sliding else mask, kv_cache
+        )
     hidden = decoder.norm(hidden[:, -1])  # [B, D]
-    return model.language_model.compute_logits(hidden)  # [B, V], Gemma 2 capped
+    # [B, V], Gemma 2 capped
+    return model.language_model.compute_logits(hidden)
 
 
 def _additive_step_mask(attention_mask: torch.Tensor, dtype) -> torch.Tensor:
-    "A step's mask, 2-D (1/0) or additive, -> additive [B, 1, 1, max_length] in `dtype`"
+    """A step's mask, 2-D (1/0) or additive, -> additive [B, 1, 1, max_length]
+    in `dtype`"""
     if not attention_mask.is_floating_point():
         return additive_mask(attention_mask.bool()[:, None, None, :], dtype)
     if attention_mask.ndim != 4 or attention_mask.dtype != dtype:
         raise ValueError(
-            f"an additive attention_mask for decode_step is [B, 1, 1, max_length] in "
-            f"the model's dtype {dtype}; got {list(attention_mask.shape)} in "
-            f"{attention_mask.dtype} (or pass the 2-D mask of 1s and 0s)"
+            "an additive attention_mask for decode_step is [B, 1, 1, "
+            f"max_length] in the model's dtype {dtype}; got "
+            f"{list(attention_mask.shape)} in {attention_mask.dtype} (or pass "
+            "the 2-D mask of 1s and 0s)"
         )
     return attention_mask
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c023
 def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    "Keep the `top_k` largest logits per row (ties at the k-th kept); the rest -> -inf"
-    kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]  # [B, 1]
+    """Keep the `top_k` largest logits per row (ties at the k-th kept); the
+    rest -> -inf"""
+    # [B, 1]
+    kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    "Keep the fewest most likely tokens whose probabilities reach `top_p`; rest -> -inf"
-    # everything: a float32 cumsum over a large vocabulary can reach 1.0 before its end
+    """Keep the fewest most likely tokens whose probabilities reach `top_p`;
+    rest -> -inf"""
+    # everything: a float32 cumsum over a large vocabulary can reach 1.0 before
+    # its end
     if top_p >= 1.0:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
@@ -157,7 +172,8 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before = probs.cumsum(-1) - probs
     # the first token has mass_before 0, so it is always kept
     drop_sorted = mass_before >= top_p
-    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    # back to vocabulary order
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c027
@@ -169,11 +185,13 @@ def _check_sampling(temperature, top_k, top_p):
         )
     if top_k is not None and top_k < 1:
         raise ValueError(
-            f"top_k={top_k}: it must be at least 1, or None for no top-k filtering"
+            f"top_k={top_k}: it must be at least 1, or None for no top-k "
+            "filtering"
         )
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(
-            f"top_p={top_p}: it must be in (0, 1], or None for no nucleus filtering"
+            f"top_p={top_p}: it must be in (0, 1], or None for no nucleus "
+            "filtering"
         )
 
 
@@ -185,7 +203,8 @@ def next_token(
     top_p: float = None,
     generator: torch.Generator = None,
 ) -> torch.Tensor:
-    "Logits [B, V] -> token ids [B]: the argmax, or a sample (temperature, top-k/p)"
+    """Logits [B, V] -> token ids [B]: the argmax, or a sample (temperature,
+    top-k/p)"""
     if not do_sample:
         return logits.argmax(-1)
     _check_sampling(temperature, top_k, top_p)
@@ -194,11 +213,14 @@ def next_token(
         logits = top_k_filter(logits, top_k)
     if top_p is not None:
         logits = top_p_filter(logits, top_p)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    return torch.multinomial(
+        logits.softmax(-1), 1, generator=generator
+    ).squeeze(-1)
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c035
 class DecodingLinear(nn.Linear):
-    "nn.Linear computing (W x^T)^T for up to `max_rows` rows: a faster CPU kernel"
+    """nn.Linear computing (W x^T)^T for up to `max_rows` rows: a faster CPU
+    kernel"""
 
     max_rows = 16
 
@@ -219,8 +241,8 @@ class DecodingLinear(nn.Linear):
 
 @contextmanager
 def decoding_linears(model: PaliGemmaForConditionalGeneration):
-    """Within the block, every nn.Linear of the language model (LM head included) is a
-    DecodingLinear holding the same Parameters"""
+    """Within the block, every nn.Linear of the language model (LM head
+    included) is a DecodingLinear holding the same Parameters"""
     swapped = []  # (parent module, attribute name, original nn.Linear)
     try:
         for parent in list(model.language_model.modules()):
@@ -270,13 +292,14 @@ def _check_prompts(
         )
     if pixel_values is None or pixel_values.shape[0] != input_ids.shape[0]:
         raise ValueError(
-            f"PaliGemma needs one image per prompt: pixel_values [batch, 3, H, W] "
-            f"with batch = {input_ids.shape[0]}"
+            "PaliGemma needs one image per prompt: pixel_values [batch, 3, "
+            f"H, W] with batch = {input_ids.shape[0]}"
         )
     if not bool(attention_mask[:, -1].all()):
         raise ValueError(
-            "a prompt ends with padding: prompts for generation must be padded on the "
-            "left (PaliGemmaProcessor does so when no suffixes are given)"
+            "a prompt ends with padding: prompts for generation must be "
+            "padded on the left (PaliGemmaProcessor does so when no suffixes "
+            "are given)"
         )
     if max_new_tokens < 1:
         raise ValueError(
@@ -286,34 +309,37 @@ def _check_prompts(
 
 
 def _check_length(prompt: int, max_new_tokens: int, max_positions: int):
-    "The prompt and the new tokens must fit the model's positions; checked before any"
+    """The prompt and the new tokens must fit the model's positions; checked
+    before any"""
     if prompt >= max_positions:  # buffer or cache is allocated
         raise ValueError(
-            f"the prompt is {prompt} tokens, {prompt - max_positions + 1} too many "
-            f"for the model's {max_positions} positions (max_position_embeddings) and "
-            f"one new token; shorten the prompt"
+            f"the prompt is {prompt} tokens, {prompt - max_positions + 1} too "
+            f"many for the model's {max_positions} positions "
+            "(max_position_embeddings) and one new token; shorten the prompt"
         )
     if prompt + max_new_tokens > max_positions:
         raise ValueError(
-            f"the prompt ({prompt} tokens) and max_new_tokens={max_new_tokens} make "
-            f"{prompt + max_new_tokens} tokens, "
-            f"{prompt + max_new_tokens - max_positions} over the model's "
-            f"{max_positions} positions (max_position_embeddings); ask for at most "
-            f"max_new_tokens={max_positions - prompt}"
+            f"the prompt ({prompt} tokens) and "
+            f"max_new_tokens={max_new_tokens} make {prompt + max_new_tokens} "
+            f"tokens, {prompt + max_new_tokens - max_positions} over the "
+            f"model's {max_positions} positions (max_position_embeddings); "
+            f"ask for at most max_new_tokens={max_positions - prompt}"
         )
 
 
 class NonFiniteLogitsError(ValueError):
-    "The model gave NaN or infinite logits: the message names the step and the rows"
+    """The model gave NaN or infinite logits: the message names the step and
+    the rows"""
 
 
 class _StepFlags:
-    """Two flags per row and decoding step, for the host: the step's logits were finite
-    (or the row had finished), the row has finished. They are computed on the device
-    and copied to the host behind the step's work (pinned memory, no wait); the host
-    reads a step's flags once they have arrived, at most `max_lag` steps late (a CUDA
-    event says when), on the CPU at once. So no step waits for the device to finish,
-    and a loop that stops may compute up to `max_lag` steps it then drops."""
+    """Two flags per row and decoding step, for the host: the step's logits
+    were finite (or the row had finished), the row has finished. They are
+    computed on the device and copied to the host behind the step's work
+    (pinned memory, no wait); the host reads a step's flags once they have
+    arrived, at most `max_lag` steps late (a CUDA event says when), on the CPU
+    at once. So no step waits for the device to finish, and a loop that stops
+    may compute up to `max_lag` steps it then drops."""
 
     def __init__(self, batch_size: int, steps: int, device, max_lag: int = 2):
         self.cuda, self.max_lag = torch.device(device).type == "cuda", max_lag
@@ -334,24 +360,27 @@ class _StepFlags:
         self.pending.append((step, event))
 
     def first_stop(self, wait: bool = False):
-        """Read the flags that have arrived (all of them if `wait`, else waiting only
-        for those more than `max_lag` steps old), in step order. Raise
-        NonFiniteLogitsError at the first step with NaN or infinite logits; return the
-        first step after which every row has finished, or None"""
+        """Read the flags that have arrived (all of them if `wait`, else
+        waiting only for those more than `max_lag` steps old), in step order.
+        Raise NonFiniteLogitsError at the first step with NaN or infinite
+        logits; return the first step after which every row has finished, or
+        None"""
         while self.pending:
             step, event = self.pending[0]
             if event is not None and not event.query():
                 if not wait and len(self.pending) <= self.max_lag:
                     return None
-                event.synchronize()  # waits for an older step than the one queued
+                # waits for an older step than the one queued
+                event.synchronize()
             self.pending.pop(0)
             finite, finished = self.values[step]  # [B] each
             if not finite.all():
                 raise NonFiniteLogitsError(
-                    f"the logits for new token {step + 1} are NaN or infinite (batch "
-                    f"rows {(~finite).nonzero()[0].tolist()}): the weights or the "
-                    f"image hold NaN or inf, or float16 overflowed; check the "
-                    f"checkpoint, or load it in float32 or bfloat16"
+                    f"the logits for new token {step + 1} are NaN or infinite "
+                    f"(batch rows {(~finite).nonzero()[0].tolist()}): the "
+                    "weights or the image hold NaN or inf, or float16 "
+                    "overflowed; check the checkpoint, or load it in float32 "
+                    "or bfloat16"
                 )
             if finished.all():
                 return step
@@ -360,15 +389,20 @@ class _StepFlags:
 
 def _check_greedy(do_sample, temperature, top_k, top_p):
     "Refuse sampling settings that greedy decoding would silently ignore"
-    if not do_sample and (temperature != 1.0 or top_k is not None or top_p is not None):
+    if not do_sample and (
+        temperature != 1.0 or top_k is not None or top_p is not None
+    ):
         raise ValueError(
-            f"temperature={temperature}, top_k={top_k} and top_p={top_p} shape a "
-            f"sample, but do_sample=False takes the most likely token: pass "
-            f"do_sample=True to sample (or leave them at their defaults)"
+            f"temperature={temperature}, top_k={top_k} and top_p={top_p} "
+            "shape a sample, but do_sample=False takes the most likely "
+            "token: pass do_sample=True to sample (or leave them at their "
+            "defaults)"
         )
 
 
-def _new_cache(model, cache: str, batch_size: int, max_length: int, compile: bool):
+def _new_cache(
+    model, cache: str, batch_size: int, max_length: int, compile: bool
+):
     """The StaticKVCache for cache='static'; None for 'dynamic' and 'none' (the
     prefill's growing cache, or nothing, serves them)"""
     if cache not in ("static", "dynamic", "none"):
@@ -378,13 +412,15 @@ def _new_cache(model, cache: str, batch_size: int, max_length: int, compile: boo
         )
     if compile and cache != "static":
         raise ValueError(
-            f"compile=True needs cache='static' (fixed shapes), not cache={cache!r}"
+            "compile=True needs cache='static' (fixed shapes), not "
+            f"cache={cache!r}"
         )
     if cache != "static":
         return None
     weight = model.language_model.lm_head.weight
     shape = (batch_size, max_length, weight.dtype, weight.device)
-    if compile:  # one cache per model, reused: the compiled step keeps its addresses
+    # one cache per model, reused: the compiled step keeps its addresses
+    if compile:
         kept = _compiled_caches.get(model)
         if kept is not None and kept[0] == shape:
             for buffer in kept[1].keys + kept[1].values:
@@ -398,47 +434,54 @@ def _new_cache(model, cache: str, batch_size: int, max_length: int, compile: boo
         device=weight.device,
     )
     if compile:
-        if weight.device.type == "cuda":  # CUDA graphs may then write into them
+        # CUDA graphs may then write into them
+        if weight.device.type == "cuda":
             for buffer in kv_cache.keys + kv_cache.values:
                 torch._dynamo.mark_static_address(buffer)
         _compiled_caches[model] = (shape, kv_cache)
     return kv_cache
 
 
-# model -> ((batch, max_length, dtype, device), its StaticKVCache) for compile=True
+# model -> ((batch, max_length, dtype, device), its StaticKVCache) for
+# compile=True
 _compiled_caches = weakref.WeakKeyDictionary()
 _compiled_steps = {}  # device type -> decode_step compiled for it
 
 
 def _compiled_decode_step(device: torch.device):
-    """decode_step through torch.compile: CUDA graphs on a GPU ("reduce-overhead"),
-    the default mode elsewhere; compiled once per device type, on first use"""
+    """decode_step through torch.compile: CUDA graphs on a GPU
+    ("reduce-overhead"), the default mode elsewhere; compiled once per device
+    type, on first use"""
     if device.type not in _compiled_steps:
         mode = "reduce-overhead" if device.type == "cuda" else None
         _compiled_steps[device.type] = torch.compile(decode_step, mode=mode)
     return _compiled_steps[device.type]
 
 
-def _buffers(input_ids, attention_mask, token_type_ids, max_new_tokens, pad_token_id):
-    "ids, mask and types [B, S + max_new_tokens]: the prompt's, then room for the new"
+def _buffers(
+    input_ids, attention_mask, token_type_ids, max_new_tokens, pad_token_id
+):
+    """ids, mask and types [B, S + max_new_tokens]: the prompt's, then room for
+    the new"""
     B, S = input_ids.shape
     ids = input_ids.new_full((B, S + max_new_tokens), pad_token_id)
     ids[:, :S] = input_ids
     # 0 until a new token is written there
     mask = attention_mask.new_zeros((B, S + max_new_tokens))
     mask[:, :S] = attention_mask
-    types = token_type_ids.new_ones((B, S + max_new_tokens))  # new tokens: suffix
+    # new tokens: suffix
+    types = token_type_ids.new_ones((B, S + max_new_tokens))
     types[:, :S] = token_type_ids
     return ids, mask, types
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c037u
 @contextmanager
 def intra_op_threads(n: int):
-    """torch's intra-op thread count set to `n` within the block, restored after.
-    With OpenMP (PyTorch's usual build) the count belongs to the calling Python
-    thread, but torch.set_num_threads also sets the count that any Python thread
-    doing its first parallel work meanwhile starts with, and keeps: start worker
-    threads before, or after, such a block"""
+    """torch's intra-op thread count set to `n` within the block, restored
+    after. With OpenMP (PyTorch's usual build) the count belongs to the calling
+    Python thread, but torch.set_num_threads also sets the count that any
+    Python thread doing its first parallel work meanwhile starts with, and
+    keeps: start worker threads before, or after, such a block"""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -448,7 +491,8 @@ def intra_op_threads(n: int):
 
 
 def thread_candidates(available: int) -> list[int]:
-    "The counts `generate` tries: `available`, then halves down to 1 (6 -> [6, 3, 1])"
+    """The counts `generate` tries: `available`, then halves down to 1 (6 ->
+    [6, 3, 1])"""
     counts = [available]
     while counts[-1] > 1:
         counts.append(counts[-1] // 2)
@@ -464,16 +508,21 @@ _timings_lock = threading.Lock()  # generate may run in several Python threads
 def _check_threads(threads):
     if threads in (None, "auto"):
         return
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    if (
+        isinstance(threads, bool)
+        or not isinstance(threads, int)
+        or threads < 1
+    ):
         raise ValueError(
-            f"threads={threads!r}: give a positive int (the decoding steps' threads), "
-            f"'auto' to let generate measure which count is fastest, or None to "
-            f"keep torch's"
+            f"threads={threads!r}: give a positive int (the decoding steps' "
+            "threads), 'auto' to let generate measure which count is "
+            "fastest, or None to keep torch's"
         )
 
 
 def _timings(model, batch_size: int) -> dict:
-    "{count: [seconds, ...]}: the steps timed so far for this model and batch size"
+    """{count: [seconds, ...]}: the steps timed so far for this model and batch
+    size"""
     available = torch.get_num_threads()
     with _timings_lock:
         per_model = _step_timings.setdefault(model, {})
@@ -482,9 +531,11 @@ def _timings(model, batch_size: int) -> dict:
 
 
 def _count_to_time(timings: dict):
-    "The count to time next (round robin), or None once each has THREAD_TIMINGS"
+    """The count to time next (round robin), or None once each has
+    THREAD_TIMINGS"""
     with _timings_lock:
-        n = min(timings, key=lambda n: len(timings[n]))  # the first of the fewest
+        # the first of the fewest
+        n = min(timings, key=lambda n: len(timings[n]))
         return n if len(timings[n]) < THREAD_TIMINGS else None
 
 
@@ -520,20 +571,21 @@ def generate(
     threads: int | str | None = None,
 ) -> torch.Tensor:
     """Generate after left-padded prompts; returns only the new tokens [B, T],
-    T <= max_new_tokens. A row that emits `eos_token_id` (Gemma's `<eos>`, 1; None:
-    never stop) is finished: it keeps its slot, and its later tokens are
-    `pad_token_id`. A row with no `eos_token_id` among T = max_new_tokens tokens was
-    cut off, not finished (`answer` warns then). The default, 64, holds the longest
-    answer of every task the shipped models do (a receipt's JSON: 41 with `<eos>`).
-    `compile` runs the decoding steps through `torch.compile` (static cache only).
-    With `decoding_linears` the loop runs inside `decoding_linears(model)`, which
-    leaves the model as it was. `threads`: torch's intra-op threads for the decoding
-    steps, restored after; None (the default) keeps torch's, so that the same inputs
-    give the same tokens whatever the machine's load. "auto": on a CPU, with the
-    static cache, uncompiled, the fastest of `thread_candidates`, found by timing the
-    first steps of the first calls for this model and batch size (elsewhere torch's);
-    the choice depends on the load, and another count may change float32 logits in
-    their last bits."""
+    T <= max_new_tokens. A row that emits `eos_token_id` (Gemma's `<eos>`, 1;
+    None: never stop) is finished: it keeps its slot, and its later tokens are
+    `pad_token_id`. A row with no `eos_token_id` among T = max_new_tokens
+    tokens was cut off, not finished (`answer` warns then). The default, 64,
+    holds the longest answer of every task the shipped models do (a receipt's
+    JSON: 41 with `<eos>`). `compile` runs the decoding steps through
+    `torch.compile` (static cache only). With `decoding_linears` the loop runs
+    inside `decoding_linears(model)`, which leaves the model as it was.
+    `threads`: torch's intra-op threads for the decoding steps, restored after;
+    None (the default) keeps torch's, so that the same inputs give the same
+    tokens whatever the machine's load. "auto": on a CPU, with the static
+    cache, uncompiled, the fastest of `thread_candidates`, found by timing the
+    first steps of the first calls for this model and batch size (elsewhere
+    torch's); the choice depends on the load, and another count may change
+    float32 logits in their last bits."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if token_type_ids is None:
@@ -556,14 +608,16 @@ def generate(
     ids, mask, types = _buffers(
         input_ids, attention_mask, token_type_ids, max_new_tokens, pad_token_id
     )
-    positions = attention_mask.sum(-1, keepdim=True)  # [B, 1]: last prompt token's
+    # [B, 1]: last prompt token's
+    positions = attention_mask.sum(-1, keepdim=True)
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)  # [B]
     flags = _StepFlags(B, max_new_tokens, input_ids.device)
 
     with ExitStack() as context:
         if decoding_linears:
             context.enter_context(_decoding_linears(model))
-        # prefill, eager (prompts differ in length), the static cache copied in after
+        # prefill, eager (prompts differ in length), the static cache copied in
+        # after
         prefill_cache = DynamicKVCache(model.config.text.num_hidden_layers)
         logits = model(
             input_ids,
@@ -575,24 +629,32 @@ def generate(
         ).logits[:, -1]  # [B, V]
         if cache == "static":
             kv_cache.fill(prefill_cache)
-            # [B, 1, 1, S + max_new_tokens], built once: a step writes one 0 into it
-            keys = _additive_step_mask(mask, model.language_model.lm_head.weight.dtype)
-        timings = None  # {count: seconds} while the steps' threads are being chosen
+            # [B, 1, 1, S + max_new_tokens], built once: a step writes one 0
+            # into it
+            keys = _additive_step_mask(
+                mask, model.language_model.lm_head.weight.dtype
+            )
+        # {count: seconds} while the steps' threads are being chosen
+        timings = None
         if threads == "auto" and cache == "static" and not compile:
             if input_ids.device.type == "cpu" and torch.get_num_threads() > 1:
                 timings = _timings(model, B)
         if isinstance(threads, int):
             context.enter_context(intra_op_threads(threads))
         for t in range(max_new_tokens):
-            # a NaN would decode as some token: checked by `flags`, on the host, later.
-            # x * 0 == 0 exactly when x is finite (inf * 0 and NaN * 0 are NaN): two
-            # operations, where torch.isfinite runs four
+            # a NaN would decode as some token: checked by `flags`, on the
+            # host, later. x * 0 == 0 exactly when x is finite (inf * 0 and NaN
+            # * 0 are NaN): two operations, where torch.isfinite runs four
             ok = (logits * 0 == 0).all(-1)  # [B]
             finite = ok | done
-            if do_sample:  # a NaN row must not reach torch.multinomial (on CUDA, a
-                # device-side assert): it draws from zeros; the flags raise for it
+            # a NaN row must not reach torch.multinomial (on CUDA, a
+            if do_sample:
+                # device-side assert): it draws from zeros; the flags raise for
+                # it
                 logits = logits.masked_fill(~ok[:, None], 0.0)
-            token = next_token(logits, do_sample, temperature, top_k, top_p, generator)
+            token = next_token(
+                logits, do_sample, temperature, top_k, top_p, generator
+            )
             token = token.masked_fill(done, pad_token_id)  # [B]
             ids[:, S + t] = token
             if eos_token_id is not None:
@@ -600,12 +662,14 @@ def generate(
             flags.record(t, finite, done)
             if t == max_new_tokens - 1:
                 break
-            stop = flags.first_stop()  # a step whose flags have arrived, or None
+            # a step whose flags have arrived, or None
+            stop = flags.first_stop()
             if stop is not None:  # every row finished at step `stop`
                 return ids[:, S : S + stop + 1]  # [B, T]
             length = S + t + 1  # tokens so far, the new one included
             positions = positions + 1
-            if cache == "none":  # the reference: everything again, image included
+            # the reference: everything again, image included
+            if cache == "none":
                 mask[:, length - 1] = 1  # the new token is a key from now on
                 logits = model(
                     ids[:, :length],
@@ -623,15 +687,18 @@ def generate(
                     position_ids=positions,
                     kv_cache=prefill_cache,
                 ).logits[:, -1]
-            else:  # the same shapes at every step: the whole mask, the whole cache
+            # the same shapes at every step: the whole mask, the whole cache
+            else:
                 kv_cache.seek(length - 1)
                 if compile and token.device.type == "cuda":
-                    # CUDA graphs reuse their outputs: the last logits are used up
+                    # CUDA graphs reuse their outputs: the last logits are used
+                    # up
                     torch.compiler.cudagraph_mark_step_begin()
                 keys[..., length - 1] = 0  # the new token is a key from now on
                 n = None if timings is None else _count_to_time(timings)
                 if n is None:
-                    if timings is not None:  # measured: the fastest from now on
+                    # measured: the fastest from now on
+                    if timings is not None:
                         context.enter_context(
                             intra_op_threads(fastest_threads(timings))
                         )
@@ -662,18 +729,20 @@ def answer(
 ):
     """Images and prompts -> the generated answers as strings.
 
-    images: one image (a path or a PIL image) or a list of them.
-    prompts: one string, or a list with one string per image. One string with a
+    images: one image (a path or a PIL image) or a list of them. prompts: one
+    string, or a list with one string per image. One string with a
         list of images asks every image the same question.
     kw: the settings of `generate`: max_new_tokens (64), do_sample (False),
         temperature, top_k, top_p, generator (for a reproducible sample),
         eos_token_id and pad_token_id (the tokenizer's by default), cache.
-    Returns one string for one image and one prompt string, else a list of strings
-    in the order of the images. An answer that reached max_new_tokens without
-    `<eos>` is returned as far as it got, with a `TruncatedAnswerWarning` naming it
-    (`warnings.simplefilter("error", TruncatedAnswerWarning)` makes that an error)."""
+    Returns one string for one image and one prompt string, else a list of
+    strings in the order of the images. An answer that reached max_new_tokens
+    without `<eos>` is returned as far as it got, with a
+    `TruncatedAnswerWarning` naming it (`warnings.simplefilter("error",
+    TruncatedAnswerWarning)` makes that an error)."""
     single = isinstance(prompts, str) and not isinstance(images, (list, tuple))
-    if isinstance(prompts, str):  # one question for one image, or for each image
+    # one question for one image, or for each image
+    if isinstance(prompts, str):
         prompts = [prompts] * (1 if single else len(images))
     batch = processor([images] if single else images, prompts)
     dtype = model.language_model.lm_head.weight.dtype
@@ -702,8 +771,8 @@ def answer(
     if cut:
         which = "the answer" if single else f"answers {cut} (0-based)"
         warnings.warn(
-            f"{which} stopped at max_new_tokens={limit} before <eos>: it may be cut "
-            f"short; pass a larger max_new_tokens",
+            f"{which} stopped at max_new_tokens={limit} before <eos>: it may "
+            "be cut short; pass a larger max_new_tokens",
             TruncatedAnswerWarning,
             stacklevel=2,
         )

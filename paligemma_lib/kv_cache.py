@@ -8,22 +8,27 @@ __all__ = ['DynamicKVCache', 'StaticKVCache']
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c003
 import torch
-
 from .config import TextConfig
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c013
 class DynamicKVCache:
-    "Per-layer keys and values [B, K, S, d_h], grown by concatenation (copied per step)"
+    """Per-layer keys and values [B, K, S, d_h], grown by concatenation (copied
+    per step)"""
 
     def __init__(self, num_layers: int):
         self.keys, self.values = [None] * num_layers, [None] * num_layers
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         "How many positions layer `layer_idx` holds"
-        return 0 if self.keys[layer_idx] is None else self.keys[layer_idx].shape[-2]
+        return (
+            0
+            if self.keys[layer_idx] is None
+            else self.keys[layer_idx].shape[-2]
+        )
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-        "Add k/v [B, K, S_new, d_h]; return all so far [B, K, S_past + S_new, d_h]"
+        """Add k/v [B, K, S_new, d_h]; return all so far [B, K, S_past + S_new,
+        d_h]"""
         if self.keys[layer_idx] is not None:
             key = torch.cat([self.keys[layer_idx], key], dim=-2)
             value = torch.cat([self.values[layer_idx], value], dim=-2)
@@ -37,8 +42,9 @@ class DynamicKVCache:
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c017
 class StaticKVCache:
-    """Keys and values [B, K, max_length, d_h] allocated once; `update` writes in place
-    at the positions `seek` set and returns the whole buffers (mask the unwritten)"""
+    """Keys and values [B, K, max_length, d_h] allocated once; `update` writes
+    in place at the positions `seek` set and returns the whole buffers (mask
+    the unwritten)"""
 
     def __init__(
         self,
@@ -51,7 +57,12 @@ class StaticKVCache:
         # a PaliGemmaConfig's decoder settings, or a TextConfig
         config = getattr(config, "text", config)
         # [B, K, max_length, d_h]
-        shape = (batch_size, config.num_key_value_heads, max_length, config.head_dim)
+        shape = (
+            batch_size,
+            config.num_key_value_heads,
+            max_length,
+            config.head_dim,
+        )
         self.keys = [
             torch.zeros(shape, dtype=dtype, device=device)
             for _ in range(config.num_hidden_layers)
@@ -68,30 +79,36 @@ class StaticKVCache:
         "Make the next updates write positions start, ..., start + length - 1"
         if start < 0 or start + length > self.max_length:
             raise ValueError(
-                f"positions {start} to {start + length - 1} do not fit a cache of "
-                f"{self.max_length} positions: build it with "
-                f"max_length >= prompt length + max_new_tokens"
+                f"positions {start} to {start + length - 1} do not fit a "
+                f"cache of {self.max_length} positions: build it with "
+                "max_length >= prompt length + max_new_tokens"
             )
         device = self.keys[0].device
-        self.cache_position = torch.arange(start, start + length, device=device)
+        self.cache_position = torch.arange(
+            start, start + length, device=device
+        )
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-        """Write key/value [B, K, S_new, d_h] at the positions set by `seek`; return
-        the whole buffers [B, K, max_length, d_h]"""
+        """Write key/value [B, K, S_new, d_h] at the positions set by `seek`;
+        return the whole buffers [B, K, max_length, d_h]"""
         self.keys[layer_idx].index_copy_(2, self.cache_position, key)
         self.values[layer_idx].index_copy_(2, self.cache_position, value)
         return self.keys[layer_idx], self.values[layer_idx]
 
     def fill(self, prefill: DynamicKVCache):
-        "Copy a prefill's keys and values (a growing cache) into positions 0, 1, ..."
+        """Copy a prefill's keys and values (a growing cache) into positions 0,
+        1, ..."""
         self.seek(0, prefill.get_seq_length())
-        for layer_idx, (key, value) in enumerate(zip(prefill.keys, prefill.values)):
+        for layer_idx, (key, value) in enumerate(
+            zip(prefill.keys, prefill.values)
+        ):
             self.update(layer_idx, key, value)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         "Not defined: every step attends over all max_length positions"
         raise TypeError(
-            "a StaticKVCache attends over all its max_length positions, written or "
-            "not, so the model's forward cannot size its masks from it: prefill with "
-            "a DynamicKVCache and copy it in with fill(), then decode with decode_step"
+            "a StaticKVCache attends over all its max_length positions, "
+            "written or not, so the model's forward cannot size its masks "
+            "from it: prefill with a DynamicKVCache and copy it in with "
+            "fill(), then decode with decode_step"
         )

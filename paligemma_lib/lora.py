@@ -20,14 +20,14 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import torch
+from .weights import our_name, write_safetensors
 from safetensors import safe_open
 from torch import nn
 
-from .weights import our_name, write_safetensors
-
 # %% ../book/10_lora.ipynb #129f547f
 def saved_activation_bytes(fn, inputs, weights) -> int:
-    "Bytes of the distinct tensors autograd saves in fn(*inputs), `weights` left out"
+    """Bytes of the distinct tensors autograd saves in fn(*inputs), `weights`
+    left out"""
     left_out = {p.untyped_storage()._cdata for p in weights}
     saved = {}
 
@@ -42,7 +42,8 @@ def saved_activation_bytes(fn, inputs, weights) -> int:
     return sum(saved.values())
 
 # %% ../book/10_lora.ipynb #c020
-# Gemma's attention and MLP projections (in SigLIP, q_proj, k_proj and v_proj match too)
+# Gemma's attention and MLP projections (in SigLIP, q_proj, k_proj and v_proj
+# match too)
 DEFAULT_TARGETS = [
     "q_proj",
     "k_proj",
@@ -58,9 +59,10 @@ ALL_LINEAR = "all-linear"
 
 @dataclass
 class LoraConfig:
-    """r: the rank of the update; alpha: the update is scaled by alpha / r; dropout: on
-    the input of the LoRA path only; target_modules: names, one regular expression or
-    "all-linear", with PEFT's rules (see `matches`); dtype: of the LoRA parameters"""
+    """r: the rank of the update; alpha: the update is scaled by alpha / r;
+    dropout: on the input of the LoRA path only; target_modules: names, one
+    regular expression or "all-linear", with PEFT's rules (see `matches`);
+    dtype: of the LoRA parameters"""
 
     r: int = 8
     alpha: float = 16
@@ -71,15 +73,20 @@ class LoraConfig:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+        if (
+            isinstance(self.r, bool)
+            or not isinstance(self.r, int)
+            or self.r < 1
+        ):
             raise ValueError(
-                f"LoraConfig(r={self.r!r}): the rank must be an integer of at least 1; "
-                f"8 or 16 are usual"
+                f"LoraConfig(r={self.r!r}): the rank must be an integer of at "
+                "least 1; 8 or 16 are usual"
             )
         if isinstance(self.alpha, bool) or not self.alpha > 0:
             raise ValueError(
-                f"LoraConfig(alpha={self.alpha!r}): the update is scaled by alpha / r, "
-                f"so alpha must be a number above 0; twice r is usual"
+                f"LoraConfig(alpha={self.alpha!r}): the update is scaled by "
+                "alpha / r, so alpha must be a number above 0; twice r is "
+                "usual"
             )
         if not 0 <= self.dropout < 1:
             raise ValueError(
@@ -101,9 +108,9 @@ class LoraConfig:
 
 # %% ../book/10_lora.ipynb #c030
 class LoraLinear(nn.Module):
-    """base_layer(x) + lora_B(lora_A(dropout(x))) * alpha / r. It holds the Linear it
-    wraps as `base_layer` (the same object: no copy); lora_A [r, in] and lora_B [out, r]
-    are the only new parameters"""
+    """base_layer(x) + lora_B(lora_A(dropout(x))) * alpha / r. It holds the
+    Linear it wraps as `base_layer` (the same object: no copy); lora_A [r, in]
+    and lora_B [out, r] are the only new parameters"""
 
     def __init__(
         self,
@@ -118,25 +125,34 @@ class LoraLinear(nn.Module):
         self.r, self.alpha, self.scale = r, alpha, alpha / r
         device = base_layer.weight.device
         d_in, d_out = base_layer.in_features, base_layer.out_features
-        self.lora_A = nn.Linear(d_in, r, bias=False, device=device, dtype=dtype)
-        self.lora_B = nn.Linear(r, d_out, bias=False, device=device, dtype=dtype)
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_A = nn.Linear(
+            d_in, r, bias=False, device=device, dtype=dtype
+        )
+        self.lora_B = nn.Linear(
+            r, d_out, bias=False, device=device, dtype=dtype
+        )
+        self.lora_dropout = (
+            nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        )
         self.reset_lora_parameters()
 
     def reset_lora_parameters(self):
-        "As PEFT: A Kaiming-uniform (as nn.Linear's own init), B zeros, so B A = 0"
+        """As PEFT: A Kaiming-uniform (as nn.Linear's own init), B zeros, so B
+        A = 0"""
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)  # [..., out] in the base dtype
         x = self.lora_dropout(x.to(self.lora_A.weight.dtype))
-        update = self.lora_B(self.lora_A(x)) * self.scale  # [..., r] -> [..., out]
+        # [..., r] -> [..., out]
+        update = self.lora_B(self.lora_A(x)) * self.scale
         # the sum in the wider dtype, rounded once to the base's, as PEFT does
         return (result + update).to(result.dtype)
 
     def delta_weight(self) -> torch.Tensor:
-        "What the adapter adds to base_layer.weight: B A alpha / r, [out, in], in fp32"
+        """What the adapter adds to base_layer.weight: B A alpha / r, [out,
+        in], in fp32"""
         B, A = self.lora_B.weight.float(), self.lora_A.weight.float()
         return B @ A * self.scale
 
@@ -145,25 +161,34 @@ class LoraLinear(nn.Module):
 
 # %% ../book/10_lora.ipynb #c023
 def matches(target_modules: list[str] | str, name: str) -> bool:
-    """PEFT's rule. A string is a regular expression that must match the whole module
-    name; a list matches a name equal to an entry or ending with "." + entry"""
+    """PEFT's rule. A string is a regular expression that must match the whole
+    module name; a list matches a name equal to an entry or ending with "." +
+    entry"""
     if isinstance(target_modules, str):
         return re.fullmatch(target_modules, name) is not None
-    return any(name == entry or name.endswith("." + entry) for entry in target_modules)
+    return any(
+        name == entry or name.endswith("." + entry) for entry in target_modules
+    )
 
 # %% ../book/10_lora.ipynb #c040
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
     "Name -> LoraLinear for every adapter in `model`"
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+    return {
+        n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)
+    }
 
 
 def is_all_linear(target_modules: list[str] | str) -> bool:
     "PEFT's test for its shorthand: the string, in any case"
-    return isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR
+    return (
+        isinstance(target_modules, str)
+        and target_modules.lower() == ALL_LINEAR
+    )
 
 
 def _select(model: nn.Module, target_modules: list[str] | str) -> list[str]:
-    "The names `target_modules` selects; with all-linear, every Linear but the LM head"
+    """The names `target_modules` selects; with all-linear, every Linear but
+    the LM head"""
     names = [name for name, _ in model.named_modules() if name]
     if is_all_linear(target_modules):
         return [
@@ -176,33 +201,41 @@ def _select(model: nn.Module, target_modules: list[str] | str) -> list[str]:
 
 
 def _shared(model: nn.Module) -> dict[int, list[str]]:
-    "id of each parameter -> all its names in `model`: a tied weight has several"
+    """id of each parameter -> all its names in `model`: a tied weight has
+    several"""
     shared = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         shared.setdefault(id(p), []).append(name)
     return shared
 
 
-def _refuse_tied(model: nn.Module, name: str, shared: dict, what: str, remedy: str):
+def _refuse_tied(
+    model: nn.Module, name: str, shared: dict, what: str, remedy: str
+):
     "An error if the weight of the Linear `name` is also another module's"
     weight = model.get_submodule(name).weight
     tied = [n for n in shared[id(weight)] if n != name + ".weight"]
     if tied:
         raise ValueError(
-            f"{what} {name}, whose weight is tied to {tied[0]}; merging an adapter "
-            f"there would change both: {remedy}"
+            f"{what} {name}, whose weight is tied to {tied[0]}; merging an "
+            f"adapter there would change both: {remedy}"
         )
 
 
-def find_targets(model: nn.Module, target_modules: list[str] | str) -> list[str]:
-    """The names of the modules `target_modules` selects; an error if an entry selects
-    nothing, or a module that is not an nn.Linear or whose weight is tied"""
+def find_targets(
+    model: nn.Module, target_modules: list[str] | str
+) -> list[str]:
+    """The names of the modules `target_modules` selects; an error if an entry
+    selects nothing, or a module that is not an nn.Linear or whose weight is
+    tied"""
     found = _select(model, target_modules)
     if isinstance(target_modules, str):
         unmatched = [] if found else [target_modules]
     else:
         unmatched = [
-            e for e in target_modules if not any(matches([e], n) for n in found)
+            e
+            for e in target_modules
+            if not any(matches([e], n) for n in found)
         ]
     if unmatched:
         linears = {
@@ -211,25 +244,27 @@ def find_targets(model: nn.Module, target_modules: list[str] | str) -> list[str]
             if isinstance(m, nn.Linear)
         }
         hint = (
-            " (a string is a regular expression that must match the whole name, "
-            "e.g. r'.*\\.q_proj'; or pass a list, e.g. ['q_proj'])"
+            " (a string is a regular expression that must match the whole "
+            "name, e.g. r'.*\\.q_proj'; or pass a list, e.g. ['q_proj'])"
             if isinstance(target_modules, str)
             else ""
         )
         raise ValueError(
-            f"target_modules entry {unmatched[0]!r} matches no module of the model"
-            f"{hint}; its Linear layers are named {sorted(linears)}"
+            f"target_modules entry {unmatched[0]!r} matches no module of the "
+            f"model{hint}; its Linear layers are named {sorted(linears)}"
         )
     shared = _shared(model)
     for name in found:
         module = model.get_submodule(name)
         if not isinstance(module, nn.Linear):
             raise ValueError(
-                f"target_modules selects {name} ({type(module).__name__}), not an "
-                f"nn.Linear; LoRA here wraps Linear layers: name the Linears inside it "
-                f"or use a more precise entry"
+                f"target_modules selects {name} ({type(module).__name__}), "
+                "not an nn.Linear; LoRA here wraps Linear layers: name the "
+                "Linears inside it or use a more precise entry"
             )
-        _refuse_tied(model, name, shared, "target_modules selects", f"leave {name} out")
+        _refuse_tied(
+            model, name, shared, "target_modules selects", f"leave {name} out"
+        )
     return found
 
 # %% ../book/10_lora.ipynb #c043
@@ -244,8 +279,8 @@ def _check_no_lora(model: nn.Module):
     if existing:
         raise ValueError(
             f"the model already has LoRA adapters ({len(existing)}, e.g. on "
-            f"{next(iter(existing))}); one adapter at a time: merge_lora(model) first, "
-            f"or start from the base model"
+            f"{next(iter(existing))}); one adapter at a time: "
+            "merge_lora(model) first, or start from the base model"
         )
 
 
@@ -257,14 +292,16 @@ def _wrap(model: nn.Module, names: list[str], cfg: LoraConfig):
     for name in names:
         base = model.get_submodule(name)
         _replace(
-            model, name, LoraLinear(base, cfg.r, cfg.alpha, cfg.dropout, cfg.dtype)
+            model,
+            name,
+            LoraLinear(base, cfg.r, cfg.alpha, cfg.dropout, cfg.dtype),
         )
     model.lora_config = cfg
 
 
 def add_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
-    """Wrap the Linear layers cfg.target_modules selects in LoraLinear, in place, and
-    freeze everything else; the names of the wrapped modules"""
+    """Wrap the Linear layers cfg.target_modules selects in LoraLinear, in
+    place, and freeze everything else; the names of the wrapped modules"""
     _check_no_lora(model)
     names = find_targets(model, cfg.target_modules)
     _wrap(model, names, cfg)
@@ -287,20 +324,24 @@ def finetune_memory(
     seq: int = 300,
     checkpointing: bool = True,
 ) -> dict[str, int]:
-    """Bytes a fine-tuning step of a PaliGemmaConfig holds at its peak, by term: the
-    base weights in `dtype` (bf16 on Ampere and later GPUs; fp16 or fp32 on a T4), the
-    trainable parameters' fp32 copy, gradients and AdamW state (LoRA: the adapters;
-    full: every weight, with an fp32 master copy when `dtype` is 16-bit), the
-    activations autograd saves (one layer of each kind measured on the meta device),
-    and the fp32 gradient of the logits, alive in backward next to the saved logits.
-    `seq` tokens per example, `batch` examples; a LoRA model's vision tower and
-    decoder layers get `lora`'s adapters as add_lora gives them."""
+    """Bytes a fine-tuning step of a PaliGemmaConfig holds at its peak, by
+    term: the base weights in `dtype` (bf16 on Ampere and later GPUs; fp16 or
+    fp32 on a T4), the trainable parameters' fp32 copy, gradients and AdamW
+    state (LoRA: the adapters; full: every weight, with an fp32 master copy
+    when `dtype` is 16-bit), the activations autograd saves (one layer of each
+    kind measured on the meta device), and the fp32 gradient of the logits,
+    alive in backward next to the saved logits. `seq` tokens per example,
+    `batch` examples; a LoRA model's vision tower and decoder layers get
+    `lora`'s adapters as add_lora gives them."""
     from paligemma_lib.paligemma import (
         PaliGemmaForConditionalGeneration,
         next_token_loss,
     )
 
-    size, name = torch.finfo(dtype).bits // 8, str(dtype).removeprefix("torch.")
+    size, name = (
+        torch.finfo(dtype).bits // 8,
+        str(dtype).removeprefix("torch."),
+    )
     text, vision = config.text, config.vision
     n_image = (vision.image_size // vision.patch_size) ** 2
     with torch.device("meta"):
@@ -309,13 +350,16 @@ def finetune_memory(
             add_lora(model, lora)
         text_layer = model.language_model.model.layers[0]
         vision_layer = model.vision_tower.vision_model.encoder.layers[0]
-        h = torch.randn(batch, seq, text.hidden_size, dtype=dtype, requires_grad=True)
+        h = torch.randn(
+            batch, seq, text.hidden_size, dtype=dtype, requires_grad=True
+        )
         h_vision = torch.randn(  # [B, N_image, D_vision]
             batch, n_image, vision.hidden_size, dtype=dtype, requires_grad=True
         )
         positions = torch.arange(seq)[None].expand(batch, seq)
         cos_sin = model.language_model.model.rotary_emb(positions, dtype)
-        mask = torch.zeros(batch, 1, seq, seq, dtype=dtype)  # [B, 1, S, S], additive
+        # [B, 1, S, S], additive
+        mask = torch.zeros(batch, 1, seq, seq, dtype=dtype)
         labels = torch.randint(0, text.vocab_size, (batch, seq))
         head = model.language_model.lm_head
     frozen = [p for p in model.parameters() if not p.requires_grad]
@@ -324,16 +368,20 @@ def finetune_memory(
     n_train = sum(p.numel() for p in trainable)
     weights = list(model.parameters())
     per_layer = {
-        "text": saved_activation_bytes(text_layer, (h, cos_sin, mask), weights),
+        "text": saved_activation_bytes(
+            text_layer, (h, cos_sin, mask), weights
+        ),
         "vision": saved_activation_bytes(vision_layer, (h_vision,), weights),
         "head": saved_activation_bytes(
             lambda h: next_token_loss(head(h), labels), (h,), weights
         ),
     }
     L_text, L_vision = text.num_hidden_layers, vision.num_hidden_layers
-    if checkpointing:  # each layer's input kept; one layer's inside while recomputed
+    # each layer's input kept; one layer's inside while recomputed
+    if checkpointing:
         layers = size * batch * (
-            L_text * seq * text.hidden_size + L_vision * n_image * vision.hidden_size
+            L_text * seq * text.hidden_size
+            + L_vision * n_image * vision.hidden_size
         ) + max(per_layer["text"], per_layer["vision"])
     else:
         layers = L_text * per_layer["text"] + L_vision * per_layer["vision"]
@@ -352,21 +400,26 @@ def finetune_memory(
         if size < 4:
             terms["fp32 master weights"] = 4 * n_train
     terms["AdamW moments and steps"] = 8 * n_train + 4 * len(trainable)
-    terms["activations" + (" (checkpointing)" if checkpointing else "")] = layers
+    terms["activations" + (" (checkpointing)" if checkpointing else "")] = (
+        layers
+    )
     terms["logits and loss (saved)"] = per_layer["head"]
-    terms["logits' gradient (fp32, backward)"] = 4 * batch * seq * text.vocab_size
+    terms["logits' gradient (fp32, backward)"] = (
+        4 * batch * seq * text.vocab_size
+    )
     return terms
 
 # %% ../book/10_lora.ipynb #c050
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> dict[str, LoraLinear]:
-    """Fold each adapter into its base weight (W + B A alpha / r, computed in fp32) and
-    put the base Linear back in the wrapper's place; the removed adapters, which the
-    model also keeps for unmerge_lora"""
+    """Fold each adapter into its base weight (W + B A alpha / r, computed in
+    fp32) and put the base Linear back in the wrapper's place; the removed
+    adapters, which the model also keeps for unmerge_lora"""
     adapters = lora_modules(model)
     if not adapters:
         raise ValueError(
-            "the model has no LoRA adapters to merge; add_lora or load_adapter first"
+            "the model has no LoRA adapters to merge; add_lora or "
+            "load_adapter first"
         )
     for name, lora in adapters.items():
         weight = lora.base_layer.weight
@@ -378,17 +431,20 @@ def merge_lora(model: nn.Module) -> dict[str, LoraLinear]:
 
 @torch.no_grad()
 def unmerge_lora(model: nn.Module) -> dict[str, LoraLinear]:
-    """Undo merge_lora: subtract each adapter's update and wrap again. The weight comes
-    back up to two roundings to its dtype: merge_lora's of W + delta, and this one of
-    the difference"""
+    """Undo merge_lora: subtract each adapter's update and wrap again. The
+    weight comes back up to two roundings to its dtype: merge_lora's of W +
+    delta, and this one of the difference"""
     adapters = getattr(model, "merged_lora", None)
     if not adapters:
-        raise ValueError("the model holds no merged adapters; merge_lora(model) first")
+        raise ValueError(
+            "the model holds no merged adapters; merge_lora(model) first"
+        )
     for name, lora in adapters.items():
         base = model.get_submodule(name)
         if base is not lora.base_layer:
             raise ValueError(
-                f"{name} is no longer the Linear merge_lora left there; cannot unmerge"
+                f"{name} is no longer the Linear merge_lora left there; "
+                "cannot unmerge"
             )
         base.weight.copy_(
             (base.weight.float() - lora.delta_weight()).to(base.weight.dtype)
@@ -399,7 +455,8 @@ def unmerge_lora(model: nn.Module) -> dict[str, LoraLinear]:
 
 # %% ../book/10_lora.ipynb #c060
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    "Our name -> tensor for the A and B of every adapter: all an adapter file holds"
+    """Our name -> tensor for the A and B of every adapter: all an adapter file
+    holds"""
     return {
         f"{name}.{part}.weight": getattr(lora, part).weight
         for name, lora in lora_modules(model).items()
@@ -407,9 +464,14 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 # %% ../book/10_lora.ipynb #c070
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
-# our prefix -> transformers 5's in memory: the spelling current PEFT writes and loads
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = (
+    "adapter_config.json",
+    "adapter_model.safetensors",
+)
+# PeftModel -> LoraModel -> the transformers model
+PEFT_PREFIX = "base_model.model."
+# our prefix -> transformers 5's in memory: the spelling current PEFT writes
+# and loads
 OURS_TO_PEFT = {
     "vision_tower.vision_model.": "model.vision_tower.",
     "multi_modal_projector.": "model.multi_modal_projector.",
@@ -419,30 +481,34 @@ OURS_TO_PEFT = {
 
 
 def peft_name(name: str) -> str:
-    "Our module or parameter name -> transformers 5's, the one PEFT matches and saves"
-    dotted = name + "."  # a module name such as language_model.lm_head has no dot left
+    """Our module or parameter name -> transformers 5's, the one PEFT matches
+    and saves"""
+    # a module name such as language_model.lm_head has no dot left
+    dotted = name + "."
     prefix = next((p for p in OURS_TO_PEFT if dotted.startswith(p)), None)
     if prefix is None:
         raise ValueError(
-            f"{name} is not a module of PaliGemma; PaliGemma's names start with one of "
-            f"{list(OURS_TO_PEFT)}"
+            f"{name} is not a module of PaliGemma; PaliGemma's names start "
+            f"with one of {list(OURS_TO_PEFT)}"
         )
     return (OURS_TO_PEFT[prefix] + dotted[len(prefix) :]).removesuffix(".")
 
 
 def peft_target_modules(model: nn.Module) -> list[str] | str:
-    """What adapter_config.json's target_modules should say: the config's own value if
-    PEFT, matching it against transformers' names, selects the same modules; else the
-    full names of the adapted modules"""
+    """What adapter_config.json's target_modules should say: the config's own
+    value if PEFT, matching it against transformers' names, selects the same
+    modules; else the full names of the adapted modules"""
     adapted = set(lora_modules(model))
-    linears = {  # the Linear layers as transformers has them: wrappers, not their parts
+    # the Linear layers as transformers has them: wrappers, not their parts
+    linears = {
         n
         for n, m in model.named_modules()
         if isinstance(m, (nn.Linear, LoraLinear))
         and n.rpartition(".")[0] not in adapted
     }
     config = model.lora_config.target_modules
-    if is_all_linear(config):  # PEFT leaves out transformers' lm_head, as we do ours
+    # PEFT leaves out transformers' lm_head, as we do ours
+    if is_all_linear(config):
         return config
     if {n for n in linears if matches(config, peft_name(n))} == adapted:
         return config
@@ -450,11 +516,12 @@ def peft_target_modules(model: nn.Module) -> list[str] | str:
 
 
 def save_adapter(model: nn.Module, folder) -> Path:
-    """Write adapter_config.json and adapter_model.safetensors into `folder` as PEFT
-    does, for transformers' PaliGemmaForConditionalGeneration"""
+    """Write adapter_config.json and adapter_model.safetensors into `folder` as
+    PEFT does, for transformers' PaliGemmaForConditionalGeneration"""
     if not lora_modules(model):
         raise ValueError(
-            "the model has no LoRA adapters to save; add_lora or load_adapter first"
+            "the model has no LoRA adapters to save; add_lora or load_adapter "
+            "first"
         )
     cfg = model.lora_config
     folder = Path(folder)
@@ -479,13 +546,15 @@ def save_adapter(model: nn.Module, folder) -> Path:
         PEFT_PREFIX + peft_name(name): t.detach().to("cpu").contiguous()
         for name, t in lora_state_dict(model).items()
     }
-    write_safetensors(tensors, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    write_safetensors(
+        tensors, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"}
+    )
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
 # %% ../book/10_lora.ipynb #c080
-# adapter_config.json settings that change what the adapter computes, and which this
-# library does not implement: a file that turns one on is refused
+# adapter_config.json settings that change what the adapter computes, and which
+# this library does not implement: a file that turns one on is refused
 UNSUPPORTED = {
     "use_dora": "DoRA (weight-decomposed LoRA)",
     "use_rslora": "rank-stabilised LoRA (scale alpha / sqrt(r))",
@@ -500,36 +569,46 @@ UNSUPPORTED = {
     "alora_invocation_tokens": "activated LoRA",
     "use_qalora": "quantisation-aware LoRA",
 }
-# init_lora_weights values with which PEFT changes the base weights too (PiSSA, OLoRA
-# and CorDA subtract the initial B A; LoftQ quantises them): such an adapter, unless
-# converted when saved, belongs to that changed base, not to the original
+# init_lora_weights values with which PEFT changes the base weights too (PiSSA,
+# OLoRA and CorDA subtract the initial B A; LoftQ quantises them): such an
+# adapter, unless converted when saved, belongs to that changed base, not to
+# the original
 CHANGES_BASE = ("pissa", "olora", "corda", "loftq")
 
 
-def lora_config_from_peft(config: dict, source="adapter_config.json") -> LoraConfig:
-    "A LoraConfig from PEFT's adapter_config.json; refuses what we do not implement"
+def lora_config_from_peft(
+    config: dict, source="adapter_config.json"
+) -> LoraConfig:
+    """A LoraConfig from PEFT's adapter_config.json; refuses what we do not
+    implement"""
     if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{source}: peft_type {config['peft_type']!r} is not LoRA")
+        raise ValueError(
+            f"{source}: peft_type {config['peft_type']!r} is not LoRA"
+        )
     for key, what in UNSUPPORTED.items():
         if config.get(key):
             raise ValueError(
                 f"{source} sets {key}={config[key]!r} ({what}), which "
-                f"paligemma_lib.lora does not implement; load this adapter with PEFT, "
-                f"or save one without it"
+                "paligemma_lib.lora does not implement; load this adapter "
+                "with PEFT, or save one without it"
             )
     init = config.get("init_lora_weights", True)
-    if isinstance(init, str) and (init in CHANGES_BASE or init.startswith("pissa")):
+    if isinstance(init, str) and (
+        init in CHANGES_BASE or init.startswith("pissa")
+    ):
         raise ValueError(
-            f"{source} sets init_lora_weights={init!r}: PEFT changed the base model's "
-            f"weights when it initialised this adapter, so the adapter does not apply "
-            f"to the original model; save it converted with PEFT's save_pretrained("
-            f"path_initial_model_for_weight_conversion=...), or use it with PEFT on "
-            f"the changed base model"
+            f"{source} sets init_lora_weights={init!r}: PEFT changed the base "
+            "model's weights when it initialised this adapter, so the "
+            "adapter does not apply to the original model; save it converted "
+            "with PEFT's "
+            "save_pretrained(path_initial_model_for_weight_conversion=...), "
+            "or use it with PEFT on the changed base model"
         )
     if config.get("bias", "none") != "none":
         raise ValueError(
-            f"{source} sets bias={config['bias']!r}: the adapter trains biases of the "
-            f"base model, which paligemma_lib.lora does not implement; "
+            f"{source} sets bias={config['bias']!r}: the adapter trains "
+            "biases of the base model, which paligemma_lib.lora does not "
+            "implement; "
             f'only bias="none" loads'
         )
     return LoraConfig(
@@ -544,35 +623,39 @@ LORA_PARTS = (".lora_A.weight", ".lora_B.weight")
 
 
 def adapted_module(key: str) -> tuple[str, str]:
-    """An adapter file's tensor name, in any spelling of chapter 9's KEY_MAP after
-    PEFT's prefix -> (our module name, "lora_A" or "lora_B")"""
+    """An adapter file's tensor name, in any spelling of chapter 9's KEY_MAP
+    after PEFT's prefix -> (our module name, "lora_A" or "lora_B")"""
     part = next((p for p in LORA_PARTS if key.endswith(p)), None)
     name = (
-        our_name(key.removeprefix(PEFT_PREFIX)) if key.startswith(PEFT_PREFIX) else None
+        our_name(key.removeprefix(PEFT_PREFIX))
+        if key.startswith(PEFT_PREFIX)
+        else None
     )
     if part is None and name is not None:
         raise ValueError(
-            f"adapter tensor {key} is not a LoRA A or B weight: the adapter also saves "
-            f"weights of the model itself (modules_to_save, trained embeddings or a "
-            f"base layer), which paligemma_lib.lora does not load; use it with PEFT, "
-            f"or save the adapter with LoRA weights only"
+            f"adapter tensor {key} is not a LoRA A or B weight: the adapter "
+            "also saves weights of the model itself (modules_to_save, "
+            "trained embeddings or a base layer), which paligemma_lib.lora "
+            "does not load; use it with PEFT, or save the adapter with LoRA "
+            "weights only"
         )
     if part is None or name is None:
         raise ValueError(
             f"adapter tensor {key} is not a LoRA weight of PaliGemma "
-            f"({PEFT_PREFIX}<module>.lora_A.weight or .lora_B.weight expected); "
-            f"was the adapter made for another model?"
+            f"({PEFT_PREFIX}<module>.lora_A.weight or .lora_B.weight "
+            "expected); was the adapter made for another model?"
         )
     return name.removesuffix(part), part[1:7]
 
 
-# name -> its folder inside the package: adapters trained in the book (chapter 12)
+# name -> its folder inside the package: adapters trained in the book (chapter
+# 12)
 SHIPPED_ADAPTERS = {"receipts": "assets/receipts"}
 
 
 def resolve_adapter_path(name_or_path) -> Path:
-    """An adapter folder from a path or a shipped adapter's name ("receipts"); an
-    existing local folder of that name wins"""
+    """An adapter folder from a path or a shipped adapter's name ("receipts");
+    an existing local folder of that name wins"""
     path = Path(name_or_path)
     if path.is_dir():
         return path
@@ -581,8 +664,8 @@ def resolve_adapter_path(name_or_path) -> Path:
         return package / SHIPPED_ADAPTERS[str(name_or_path)]
     if not path.exists():
         raise FileNotFoundError(
-            f"no adapter folder at {path}, and {str(name_or_path)!r} is not the name "
-            f"of a shipped adapter ({', '.join(SHIPPED_ADAPTERS)})"
+            f"no adapter folder at {path}, and {str(name_or_path)!r} is not "
+            f"the name of a shipped adapter ({', '.join(SHIPPED_ADAPTERS)})"
         )
     return path
 
@@ -590,18 +673,23 @@ def resolve_adapter_path(name_or_path) -> Path:
 def load_adapter(
     model: nn.Module, folder, dtype: torch.dtype = torch.float32
 ) -> list[str]:
-    """Add the adapter saved in `folder` (PEFT's format; by PEFT or save_adapter), or
-    the shipped adapter of that name (SHIPPED_ADAPTERS), to `model`, in place: the
-    modules its file holds weights for are wrapped and loaded. The names of the
-    wrapped modules"""
+    """Add the adapter saved in `folder` (PEFT's format; by PEFT or
+    save_adapter), or the shipped adapter of that name (SHIPPED_ADAPTERS), to
+    `model`, in place: the modules its file holds weights for are wrapped and
+    loaded. The names of the wrapped modules"""
     folder = resolve_adapter_path(folder)
-    config_file, weights_file = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    config_file, weights_file = (
+        folder / ADAPTER_CONFIG,
+        folder / ADAPTER_WEIGHTS,
+    )
     for file in (config_file, weights_file):
         if not file.is_file():
             raise FileNotFoundError(
                 f"{folder} holds no {file.name}: is it an adapter folder?"
             )
-    cfg = lora_config_from_peft(json.loads(config_file.read_text()), config_file)
+    cfg = lora_config_from_peft(
+        json.loads(config_file.read_text()), config_file
+    )
     cfg.dtype = dtype
     with safe_open(weights_file, framework="pt") as f:
         tensors = {key: f.get_tensor(key) for key in f.keys()}
@@ -614,13 +702,14 @@ def load_adapter(
             module = model.get_submodule(name)
         except AttributeError:
             raise ValueError(
-                f"adapter tensor {key} names {name}, which this model does not have; "
-                f"was the adapter made for a model of another size?"
+                f"adapter tensor {key} names {name}, which this model does "
+                "not have; was the adapter made for a model of another size?"
             ) from None
         if not isinstance(module, nn.Linear):
             raise ValueError(
-                f"adapter tensor {key} adapts {name} ({type(module).__name__}); "
-                f"only nn.Linear layers take LoRA here"
+                f"adapter tensor {key} adapts {name} "
+                f"({type(module).__name__}); only nn.Linear layers take LoRA "
+                "here"
             )
         _refuse_tied(
             model,
@@ -636,9 +725,9 @@ def load_adapter(
         )
         if list(tensors[key].shape) != shape:
             raise ValueError(
-                f"adapter tensor {key} has shape {list(tensors[key].shape)}, but "
-                f"r={cfg.r} (adapter_config.json) and {name} imply {shape}; "
-                f"do the adapter and the model belong together?"
+                f"adapter tensor {key} has shape {list(tensors[key].shape)}, "
+                f"but r={cfg.r} (adapter_config.json) and {name} imply "
+                f"{shape}; do the adapter and the model belong together?"
             )
     missing = [
         (n, p)
@@ -648,8 +737,8 @@ def load_adapter(
     ]
     if missing:
         raise ValueError(
-            f"the adapter file has no {missing[0][1]} weight for {missing[0][0]}; "
-            f"is the file complete?"
+            f"the adapter file has no {missing[0][1]} weight for "
+            f"{missing[0][0]}; is the file complete?"
         )
     _wrap(model, names, cfg)
     adapters = lora_modules(model)

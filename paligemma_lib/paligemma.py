@@ -10,19 +10,20 @@ __all__ = ['IGNORE_INDEX', 'PaliGemmaMultiModalProjector', 'PaliGemmaOutput',
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 from .config import PaliGemmaConfig
 from .gemma import GemmaForCausalLM, additive_mask
 from .processing import normalize_levels
 from .siglip import SiglipVisionModel
+from torch import nn
 
-__doc__ = """PaliGemma (chapter 7): the projector, image features merged into the
-`<image>` positions, the prefix-LM mask, and `PaliGemmaForConditionalGeneration`."""
+__doc__ = """PaliGemma (chapter 7): the projector, image features merged into
+the `<image>` positions, the prefix-LM mask, and
+`PaliGemmaForConditionalGeneration`."""
 
 # %% ../book/07_paligemma.ipynb #c010
 class PaliGemmaMultiModalProjector(nn.Module):
-    "One Linear from the vision width to the text width D: [B, N, 1152] -> [B, N, D]"
+    """One Linear from the vision width to the text width D: [B, N, 1152] ->
+    [B, N, D]"""
 
     def __init__(self, config: PaliGemmaConfig):
         super().__init__()
@@ -36,7 +37,8 @@ class PaliGemmaMultiModalProjector(nn.Module):
 # %% ../book/07_paligemma.ipynb #c013
 @dataclass
 class PaliGemmaOutput:
-    "The model's outputs: `logits` [B, S, V], the `loss` given labels, the `kv_cache`"
+    """The model's outputs: `logits` [B, S, V], the `loss` given labels, the
+    `kv_cache`"""
 
     logits: torch.Tensor
     loss: torch.Tensor = None
@@ -48,15 +50,17 @@ def _check_image_tokens(is_image: torch.Tensor, image_features: torch.Tensor):
     (num_images, N), B = image_features.shape[:2], is_image.shape[0]
     if num_images != B:
         raise ValueError(
-            f"{num_images} images for {B} prompts: PaliGemma takes one image per prompt"
+            f"{num_images} images for {B} prompts: PaliGemma takes one image "
+            "per prompt"
         )
     per_row = is_image.sum(-1)  # [B]
     wrong = (per_row != N).nonzero().flatten().tolist()
     if wrong:
         raise ValueError(
-            f"row {wrong[0]} of input_ids holds {per_row[wrong[0]].item()} <image> "
-            f"tokens but its image gives {N} features ({len(wrong)} such rows); each "
-            f"prompt needs exactly {N} <image> tokens (PaliGemmaProcessor adds them)"
+            f"row {wrong[0]} of input_ids holds {per_row[wrong[0]].item()} "
+            f"<image> tokens but its image gives {N} features ({len(wrong)} "
+            f"such rows); each prompt needs exactly {N} <image> tokens "
+            "(PaliGemmaProcessor adds them)"
         )
 
 
@@ -66,11 +70,13 @@ def merge_image_features(
     image_features: torch.Tensor,
     image_token_index: int,
 ) -> torch.Tensor:
-    "Write image_features [B, N, D] into the <image> slots of inputs_embeds [B, S, D]"
+    """Write image_features [B, N, D] into the <image> slots of inputs_embeds
+    [B, S, D]"""
     is_image = input_ids == image_token_index  # [B, S]
     _check_image_tokens(is_image, image_features)
     D = inputs_embeds.shape[-1]
-    features = image_features.to(inputs_embeds.dtype).reshape(-1, D)  # [B * N, D]
+    # [B * N, D]
+    features = image_features.to(inputs_embeds.dtype).reshape(-1, D)
     return inputs_embeds.masked_scatter(is_image[..., None], features)
 
 # %% ../book/07_paligemma.ipynb #c017
@@ -80,28 +86,33 @@ def make_prefix_lm_mask(
     num_queries: int = None,
     sliding_window: int = None,
 ) -> torch.Tensor:
-    """[B, num_queries, S] bool, True where query i may attend to key j (prefix-LM
-    rule); with `sliding_window` (Gemma 2's local layers, as transformers has them)
-    also j > i - sliding_window, unless both are in the prefix"""
-    block = token_type_ids.long().cumsum(-1)  # [B, S]: 0 prefix, k for suffix token k
+    """[B, num_queries, S] bool, True where query i may attend to key j
+    (prefix-LM rule); with `sliding_window` (Gemma 2's local layers, as
+    transformers has them) also j > i - sliding_window, unless both are in the
+    prefix"""
+    # [B, S]: 0 prefix, k for suffix token k
+    block = token_type_ids.long().cumsum(-1)
     valid = attention_mask.bool()  # [B, S]
     num_queries = block.shape[1] if num_queries is None else num_queries
     query_block = block[:, -num_queries:]  # [B, num_queries]
     query_valid = valid[:, -num_queries:]  # [B, num_queries]
-    allowed = block[:, None, :] <= query_block[:, :, None]  # [B, num_queries, S]
+    # [B, num_queries, S]
+    allowed = block[:, None, :] <= query_block[:, :, None]
     allowed = allowed & valid[:, None, :] & query_valid[:, :, None]
     if sliding_window is None:
         return allowed
     S = block.shape[1]
     query_index = torch.arange(S - num_queries, S, device=block.device)
     key_index = torch.arange(S, device=block.device)
-    near = key_index[None, :] > query_index[:, None] - sliding_window  # [nq, S]
+    # [nq, S]
+    near = key_index[None, :] > query_index[:, None] - sliding_window
     both_prefix = (block[:, None, :] == 0) & (query_block[:, :, None] == 0)
     return allowed & (near[None] | both_prefix)
 
 # %% ../book/07_paligemma.ipynb #c024
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    "1-based positions that skip padding: [B, S] of 1/0 -> [B, S] (padding gets 1)"
+    """1-based positions that skip padding: [B, S] of 1/0 -> [B, S] (padding
+    gets 1)"""
     positions = attention_mask.long().cumsum(-1)
     return positions.masked_fill(attention_mask == 0, 1)
 
@@ -109,18 +120,29 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 IGNORE_INDEX = -100
 
 
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    "Mean cross-entropy of labels[:, t + 1] given logits[:, t], over labels not -100"
+def next_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Mean cross-entropy of labels[:, t + 1] given logits[:, t], over labels
+    not -100"""
     # [B, S]: the next token's label
     shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     return nn.functional.cross_entropy(
-        logits.float().flatten(0, 1), shifted.flatten(), ignore_index=IGNORE_INDEX
+        logits.float().flatten(0, 1),
+        shifted.flatten(),
+        ignore_index=IGNORE_INDEX,
     )
 
 # %% ../book/07_paligemma.ipynb #c029
-def _check_masks_cover(attention_mask, token_type_ids, B: int, past: int, S: int):
-    "Both masks are [B, past + S]: they cover the cached tokens and the new ones"
-    if attention_mask.shape != (B, past + S) or token_type_ids.shape != (B, past + S):
+def _check_masks_cover(
+    attention_mask, token_type_ids, B: int, past: int, S: int
+):
+    """Both masks are [B, past + S]: they cover the cached tokens and the new
+    ones"""
+    if attention_mask.shape != (B, past + S) or token_type_ids.shape != (
+        B,
+        past + S,
+    ):
         raise ValueError(
             f"attention_mask {list(attention_mask.shape)} and token_type_ids "
             f"{list(token_type_ids.shape)} must cover all tokens so far: "
@@ -129,11 +151,12 @@ def _check_masks_cover(attention_mask, token_type_ids, B: int, past: int, S: int
 
 
 def _check_images_given(input_ids, image_token_index: int, past: int):
-    "A first call (nothing cached) whose input_ids hold <image> tokens needs the images"
+    """A first call (nothing cached) whose input_ids hold <image> tokens needs
+    the images"""
     if past == 0 and bool((input_ids == image_token_index).any()):
         raise ValueError(
-            "input_ids hold <image> tokens but no pixel_values were given: pass the "
-            "images (PaliGemmaProcessor returns them as pixel_values)"
+            "input_ids hold <image> tokens but no pixel_values were given: "
+            "pass the images (PaliGemmaProcessor returns them as pixel_values)"
         )
 
 
@@ -141,13 +164,14 @@ def _check_all_logits(num_logits: int, S: int):
     "The loss needs the logits of every position"
     if num_logits != S:
         raise ValueError(
-            f"the loss needs the logits of all {S} positions: pass labels with "
-            "logits_to_keep=0"
+            f"the loss needs the logits of all {S} positions: pass labels "
+            "with logits_to_keep=0"
         )
 
 
 class PaliGemmaForConditionalGeneration(nn.Module):
-    "SigLIP vision tower + linear projector + Gemma decoder, named as in checkpoints"
+    """SigLIP vision tower + linear projector + Gemma decoder, named as in
+    checkpoints"""
 
     def __init__(self, config: PaliGemmaConfig):
         super().__init__()
@@ -157,12 +181,14 @@ class PaliGemmaForConditionalGeneration(nn.Module):
         self.language_model = GemmaForCausalLM(config.text)
 
     def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Images [B, 3, image_size, image_size] -> projected features [B, N, D]. The
-        images: normalised floats, or their 8-bit levels (uint8), normalised here on
-        their device as every PaliGemma checkpoint was trained: x / 127.5 - 1"""
+        """Images [B, 3, image_size, image_size] -> projected features [B, N,
+        D]. The images: normalised floats, or their 8-bit levels (uint8),
+        normalised here on their device as every PaliGemma checkpoint was
+        trained: x / 127.5 - 1"""
         if pixel_values.dtype == torch.uint8:
             pixel_values = normalize_levels(pixel_values)  # float32 in [-1, 1]
-        vision_out = self.vision_tower(pixel_values).last_hidden_state  # [B, N, 1152]
+        # [B, N, 1152]
+        vision_out = self.vision_tower(pixel_values).last_hidden_state
         return self.multi_modal_projector(vision_out)  # [B, N, D]
 
     def forward(
@@ -176,7 +202,8 @@ class PaliGemmaForConditionalGeneration(nn.Module):
         kv_cache=None,
         logits_to_keep: int = 0,
     ) -> PaliGemmaOutput:
-        "Logits of all positions (or the last `logits_to_keep`); the loss given labels"
+        """Logits of all positions (or the last `logits_to_keep`); the loss
+        given labels"""
         B, S = input_ids.shape
         past = kv_cache.get_seq_length() if kv_cache is not None else 0
         if attention_mask is None:  # no padding
@@ -194,11 +221,16 @@ class PaliGemmaForConditionalGeneration(nn.Module):
         else:
             _check_images_given(input_ids, image_token_index, past)
         if position_ids is None:
-            position_ids = position_ids_from_mask(attention_mask)[:, -S:]  # [B, S]
-        allowed = make_prefix_lm_mask(attention_mask, token_type_ids, num_queries=S)
+            # [B, S]
+            position_ids = position_ids_from_mask(attention_mask)[:, -S:]
+        allowed = make_prefix_lm_mask(
+            attention_mask, token_type_ids, num_queries=S
+        )
         sliding, window = None, self.config.text.sliding_window
         if window is not None:  # Gemma 2's local layers
-            near = make_prefix_lm_mask(attention_mask, token_type_ids, S, window)
+            near = make_prefix_lm_mask(
+                attention_mask, token_type_ids, S, window
+            )
             sliding = additive_mask(near[:, None], embeds.dtype)
         hidden_states = self.language_model.model(
             inputs_embeds=embeds,
@@ -208,7 +240,9 @@ class PaliGemmaForConditionalGeneration(nn.Module):
             sliding_attention_mask=sliding,
         )  # [B, S, D]; the masks are [B, 1, S, past + S]
         # [B, S, V], or [B, logits_to_keep, V]; Gemma 2 caps them
-        logits = self.language_model.compute_logits(hidden_states[:, -logits_to_keep:])
+        logits = self.language_model.compute_logits(
+            hidden_states[:, -logits_to_keep:]
+        )
         loss = None
         if labels is not None:
             _check_all_logits(logits.shape[1], S)

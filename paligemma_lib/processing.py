@@ -21,29 +21,32 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 
-__doc__ = """Images and text in. Chapter 1: `load_image` (any common image file -> RGB)
-and `process_images` (resize to a square, scale to [-1, 1]). Chapter 6: the Gemma
-tokenizer, `PaliGemmaProcessor` (image + prompt -> model inputs), location tokens,
-`parse_loc_tokens` and `draw_boxes`."""
+__doc__ = """Images and text in. Chapter 1: `load_image` (any common image file
+-> RGB) and `process_images` (resize to a square, scale to [-1, 1]). Chapter 6:
+the Gemma tokenizer, `PaliGemmaProcessor` (image + prompt -> model inputs),
+location tokens, `parse_loc_tokens` and `draw_boxes`."""
 
 # %% ../book/01_images_to_patches.ipynb #c012
 _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    "Any PIL image -> 8-bit RGB: transparency over white, 16-bit scaled to 8-bit"
+    """Any PIL image -> 8-bit RGB: transparency over white, 16-bit scaled to
+    8-bit"""
     if image.mode == "RGB":
         return image
     if image.mode in _SIXTEEN_BIT_MODES:
-        # Pillow holds 16-bit grayscale as I;16 (or as 32-bit I); 0..65535 -> 0..255
+        # Pillow holds 16-bit grayscale as I;16 (or as 32-bit I); 0..65535 ->
+        # 0..255
         samples = np.asarray(image, dtype=np.float64)
         image = Image.fromarray(
             np.round(np.clip(samples, 0, 65535) / 257.0).astype(np.uint8), "L"
         )
     elif image.mode == "F":
         raise ValueError(
-            "image has floating-point pixels (mode F), which have no fixed range; "
-            "scale them to 0..255 and convert to 8-bit ('L' or 'RGB') first"
+            "image has floating-point pixels (mode F), which have no fixed "
+            "range; scale them to 0..255 and convert to 8-bit ('L' or 'RGB') "
+            "first"
         )
     rgba = image.convert("RGBA")
     background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -51,29 +54,35 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 # %% ../book/01_images_to_patches.ipynb #c017
 def too_many_pixels(path, error: Exception) -> str:
-    "The message for a file over Pillow's decompression-bomb limit: its size, the limit"
-    limit = 2 * Image.MAX_IMAGE_PIXELS  # Pillow refuses above twice the warning level
+    """The message for a file over Pillow's decompression-bomb limit: its size,
+    the limit"""
+    # Pillow refuses above twice the warning level
+    limit = 2 * Image.MAX_IMAGE_PIXELS
     counted = re.search(r"\((\d+) pixels\)", str(error))  # Pillow's wording
     size = f"{int(counted[1]):,} pixels" if counted else str(error)
     return (
         f"{path} is too large to open safely: {size}, over Pillow's limit of "
-        f"{limit:,} (2 x PIL.Image.MAX_IMAGE_PIXELS, a guard against decompression "
-        "bombs). Shrink the image, or if you trust the file raise "
-        "PIL.Image.MAX_IMAGE_PIXELS before loading it"
+        f"{limit:,} (2 x PIL.Image.MAX_IMAGE_PIXELS, a guard against "
+        "decompression bombs). Shrink the image, or if you trust the file "
+        "raise PIL.Image.MAX_IMAGE_PIXELS before loading it"
     )
 
 
 def load_image(source) -> Image.Image:
-    "A path or PIL image -> a fully decoded 8-bit RGB PIL image, or a clear error"
+    """A path or PIL image -> a fully decoded 8-bit RGB PIL image, or a clear
+    error"""
     if isinstance(source, (str, Path)):
         path = Path(source)
         if not path.exists():
-            raise FileNotFoundError(f"no image at {path}: the file does not exist")
+            raise FileNotFoundError(
+                f"no image at {path}: the file does not exist"
+            )
         if path.is_dir():
             raise IsADirectoryError(f"{path} is a folder, not an image file")
         try:
             with Image.open(path) as opened:
-                opened.load()  # decode now, so a truncated file fails here, not later
+                # decode now, so a truncated file fails here, not later
+                opened.load()
                 image = opened.copy()
         except Image.DecompressionBombError as e:
             raise ValueError(too_many_pixels(path, e)) from None
@@ -84,16 +93,20 @@ def load_image(source) -> Image.Image:
             ) from None
         except (OSError, SyntaxError, ValueError) as e:
             raise ValueError(
-                f"{path} could not be decoded as an image ({e}); is the file complete?"
+                f"{path} could not be decoded as an image ({e}); is the file "
+                "complete?"
             ) from None
     elif isinstance(source, Image.Image):
         image = source
     else:
         raise TypeError(
-            f"expected a file path or a PIL.Image.Image, got {type(source).__name__}"
+            "expected a file path or a PIL.Image.Image, got "
+            f"{type(source).__name__}"
         )
     if image.width == 0 or image.height == 0:
-        raise ValueError(f"image has no pixels (size {image.width} x {image.height})")
+        raise ValueError(
+            f"image has no pixels (size {image.width} x {image.height})"
+        )
     return to_rgb(image)
 
 # %% ../book/01_images_to_patches.ipynb #c021
@@ -103,8 +116,9 @@ RESAMPLE = ("bicubic", "bilinear")
 
 
 def resize_bilinear(pixels: torch.Tensor, image_size: int) -> torch.Tensor:
-    """big_vision's resize: bilinear, half-pixel centres, no antialias, then the cast
-    back to uint8. [3, h, w] of 0..255 -> [3, image_size, image_size], whole levels"""
+    """big_vision's resize: bilinear, half-pixel centres, no antialias, then
+    the cast back to uint8. [3, h, w] of 0..255 -> [3, image_size, image_size],
+    whole levels"""
     resized = F.interpolate(
         pixels[None].double(),  # float64: the floor below sees the exact value
         size=(image_size, image_size),
@@ -118,19 +132,27 @@ def resize_bilinear(pixels: torch.Tensor, image_size: int) -> torch.Tensor:
 
 
 def resize_to_square(image: Image.Image, image_size: int, resample: str):
-    "An 8-bit RGB PIL image -> [3, image_size, image_size] float32 levels 0..255"
+    """An 8-bit RGB PIL image -> [3, image_size, image_size] float32 levels
+    0..255"""
     if resample == "bicubic":  # Pillow's filter, as transformers' processor
-        square = image.resize((image_size, image_size), Image.Resampling.BICUBIC)
-        return torch.from_numpy(np.asarray(square, dtype=np.float32)).permute(2, 0, 1)
-    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1)
+        square = image.resize(
+            (image_size, image_size), Image.Resampling.BICUBIC
+        )
+        return torch.from_numpy(np.asarray(square, dtype=np.float32)).permute(
+            2, 0, 1
+        )
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(
+        2, 0, 1
+    )
     return resize_bilinear(pixels, image_size)
 
 
 def image_levels(images, image_size: int = 224, resample: str = "bicubic"):
     """Image(s) (paths or PIL images) -> their 8-bit levels, resized: [B, 3,
-    image_size, image_size] uint8, 0..255 (what process_images normalises; a quarter
-    of its bytes). resample: "bicubic" (Pillow, the pixels of transformers'
-    processor) or "bilinear" (big_vision's resize, which trained the checkpoints)"""
+    image_size, image_size] uint8, 0..255 (what process_images normalises; a
+    quarter of its bytes). resample: "bicubic" (Pillow, the pixels of
+    transformers' processor) or "bilinear" (big_vision's resize, which trained
+    the checkpoints)"""
     if resample not in RESAMPLE:
         raise ValueError(
             f"resample={resample!r} is not a resize this library knows; use "
@@ -148,24 +170,29 @@ def image_levels(images, image_size: int = 224, resample: str = "bicubic"):
     if all(im.size == (image_size, image_size) for im in images):
         # nothing to resize: stack the 8-bit pixels as they are
         levels = torch.from_numpy(np.stack([np.asarray(im) for im in images]))
-        return levels.permute(0, 3, 1, 2).contiguous()  # [B, H, W, 3] -> [B, 3, H, W]
+        # [B, H, W, 3] -> [B, 3, H, W]
+        return levels.permute(0, 3, 1, 2).contiguous()
     resized = [resize_to_square(im, image_size, resample) for im in images]
     return torch.stack(resized).to(torch.uint8)  # whole levels 0..255: exact
 
 
-_LEVEL_CONSTANTS = {}  # (mean, std, device) -> 255, mean, std: [1, 3, 1, 1] float32
+# (mean, std, device) -> 255, mean, std: [1, 3, 1, 1] float32
+_LEVEL_CONSTANTS = {}
 
 
 def level_constants(mean, std, device) -> tuple[torch.Tensor, ...]:
-    """255, mean and std as float32 [1, 3, 1, 1] tensors on `device`, made once per
-    device. Dividing by a tensor on the device is a true division everywhere; CUDA
-    multiplies by the reciprocal of a Python number instead, and x * fl(1/255)
-    differs from x / 255 in the last bit for 126 of the 256 levels"""
+    """255, mean and std as float32 [1, 3, 1, 1] tensors on `device`, made once
+    per device. Dividing by a tensor on the device is a true division
+    everywhere; CUDA multiplies by the reciprocal of a Python number instead,
+    and x * fl(1/255) differs from x / 255 in the last bit for 126 of the 256
+    levels"""
     key = (tuple(mean), tuple(std), torch.device(device))
     if key not in _LEVEL_CONSTANTS:
         with torch.inference_mode(False):  # usable where autograd records too
             _LEVEL_CONSTANTS[key] = tuple(
-                torch.tensor(v, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+                torch.tensor(v, dtype=torch.float32, device=device).view(
+                    1, 3, 1, 1
+                )
                 for v in [(255.0,) * 3, mean, std]
             )
     return _LEVEL_CONSTANTS[key]
@@ -178,11 +205,13 @@ def normalize_levels(levels: torch.Tensor, mean=IMAGE_MEAN, std=IMAGE_STD):
     if levels.dtype != torch.uint8 or levels.ndim != 4 or levels.shape[1] != 3:
         raise ValueError(
             f"levels has dtype {levels.dtype} and shape {list(levels.shape)}; "
-            f"expected uint8 [batch, 3, height, width] (image_levels makes them)"
+            "expected uint8 [batch, 3, height, width] (image_levels makes "
+            "them)"
         )
     pixels = levels.to(torch.float32)  # one conversion, a new tensor
     full, mean, std = level_constants(mean, std, levels.device)
-    # in place: the same float32 operations as (x / 255 - mean) / std, in that order
+    # in place: the same float32 operations as (x / 255 - mean) / std, in that
+    # order
     return pixels.div_(full).sub_(mean).div_(std)
 
 
@@ -193,10 +222,13 @@ def process_images(
     std=IMAGE_STD,
     resample: str = "bicubic",
 ) -> torch.Tensor:
-    """Image(s) (paths or PIL images) -> `pixel_values` [B, 3, image_size, image_size],
-    float32 in [-1, 1]. resample: "bicubic" (Pillow, the pixels of transformers'
-    processor) or "bilinear" (big_vision's resize, which trained the checkpoints)"""
-    return normalize_levels(image_levels(images, image_size, resample), mean, std)
+    """Image(s) (paths or PIL images) -> `pixel_values` [B, 3, image_size,
+    image_size], float32 in [-1, 1]. resample: "bicubic" (Pillow, the pixels of
+    transformers' processor) or "bilinear" (big_vision's resize, which trained
+    the checkpoints)"""
+    return normalize_levels(
+        image_levels(images, image_size, resample), mean, std
+    )
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c003
 import io
@@ -280,7 +312,12 @@ _STORES = (
 
 def _random_loc_box(rng) -> str:
     y0, x0 = rng.randrange(0, 900), rng.randrange(0, 900)
-    corners = (y0, x0, rng.randrange(y0 + 1, 1024), rng.randrange(x0 + 1, 1024))
+    corners = (
+        y0,
+        x0,
+        rng.randrange(y0 + 1, 1024),
+        rng.randrange(x0 + 1, 1024),
+    )
     return "".join(LOC_TOKENS[v] for v in corners)
 
 
@@ -298,7 +335,8 @@ def _random_receipt(rng) -> tuple[str, str, str, str]:
         quantity, price = rng.randrange(1, 5), rng.randrange(50, 1500)
         cents += quantity * price
         lines.append(
-            f"{item} {quantity} x {price / 100:.2f} {quantity * price / 100:.2f}"
+            f"{item} {quantity} x {price / 100:.2f} "
+            f"{quantity * price / 100:.2f}"
         )
     lines.append(f"TOTAL {cents / 100:.2f}")
     return store, date, f"{cents / 100:.2f}", "\n".join(lines)
@@ -313,11 +351,13 @@ def _random_example(rng) -> str:
     kind = rng.randrange(7)
     if kind == 0:
         size, place = rng.choice(_SIZES), rng.choice(_PLACES)
-        return f"caption en\nA {size} {c1} {s1} at the {place}, next to a {c2} {s2}."
-    if kind == 1:
         return (
-            f"answer en How many {s1}s are there?\n{rng.choice((str(n), _NUMBERS[n]))}"
+            f"caption en\nA {size} {c1} {s1} at the {place}, "
+            f"next to a {c2} {s2}."
         )
+    if kind == 1:
+        count = rng.choice((str(n), _NUMBERS[n]))
+        return f"answer en How many {s1}s are there?\n{count}"
     if kind == 2:
         return f"answer en What colour is the {s1}?\n{c1}"
     if kind == 3:
@@ -329,9 +369,8 @@ def _random_example(rng) -> str:
     store, date, total, text = _random_receipt(rng)
     if kind == 5:
         return f"ocr\n{text}"
-    return (
-        f'extract receipt\n{{"store": "{store}", "date": "{date}", "total": "{total}"}}'
-    )
+    fields = f'"store": "{store}", "date": "{date}", "total": "{total}"'
+    return f"extract receipt\n{{{fields}}}"
 
 
 def tokenizer_corpus(num_examples: int = 2000, seed: int = 0) -> list[str]:
@@ -341,12 +380,14 @@ def tokenizer_corpus(num_examples: int = 2000, seed: int = 0) -> list[str]:
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c011
 def train_tokenizer(sentences, vocab_size: int = 1792) -> bytes:
-    "A serialized SentencePiece BPE model: Gemma's conventions, PaliGemma's tokens"
-    # every printable ASCII character (and the newline) gets a piece, even if the
-    # corpus lacks it. Each also goes in once more as a sentence of its own: a required
-    # character that the text never shows outside user-defined symbols (`<`, `>`)
-    # makes sentencepiece 0.2.2's trainer abort the process. A one-character sentence
-    # holds no pair of characters, so it changes no merge.
+    """A serialized SentencePiece BPE model: Gemma's conventions, PaliGemma's
+    tokens"""
+    # every printable ASCII character (and the newline) gets a piece, even if
+    # the corpus lacks it. Each also goes in once more as a sentence of its
+    # own: a required character that the text never shows outside user-defined
+    # symbols (`<`, `>`) makes sentencepiece 0.2.2's trainer abort the process.
+    # A one-character sentence holds no pair of characters, so it changes no
+    # merge.
     required_chars = "".join(chr(c) for c in range(33, 127)) + "\n"
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -378,7 +419,8 @@ def train_tokenizer(sentences, vocab_size: int = 1792) -> bytes:
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c022
 class GemmaTokenizer:
-    "A SentencePiece model, Gemma's conventions; special ids looked up, not assumed"
+    """A SentencePiece model, Gemma's conventions; special ids looked up, not
+    assumed"""
 
     def __init__(self, model_proto: bytes):
         self.model_proto = bytes(model_proto)
@@ -386,8 +428,8 @@ class GemmaTokenizer:
             self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
         except RuntimeError:
             raise ValueError(
-                "these bytes are not a SentencePiece model (is the tokenizer.model "
-                "file complete?)"
+                "these bytes are not a SentencePiece model (is the "
+                "tokenizer.model file complete?)"
             ) from None
         self.pad_id, self.eos_id, self.bos_id, self.unk_id = (
             self.sp.pad_id(),
@@ -406,12 +448,12 @@ class GemmaTokenizer:
         ]
         if missing:
             raise ValueError(
-                f"the SentencePiece model defines no {' or '.join(missing)} token; a "
-                f"Gemma tokenizer has <pad>, <eos> and <bos> (train with pad_id=0, "
-                f"eos_id=1, bos_id=2, unk_id=3)"
+                f"the SentencePiece model defines no {' or '.join(missing)} "
+                "token; a Gemma tokenizer has <pad>, <eos> and <bos> (train "
+                "with pad_id=0, eos_id=1, bos_id=2, unk_id=3)"
             )
-        # transformers appends `<image>` after the last piece when the model lacks it
-        # (real PaliGemma files do)
+        # transformers appends `<image>` after the last piece when the model
+        # lacks it (real PaliGemma files do)
         self.image_token_id = (
             self.sp.piece_to_id(IMAGE_TOKEN)
             if self.has_piece(IMAGE_TOKEN)
@@ -437,8 +479,9 @@ class GemmaTokenizer:
 
     def __repr__(self) -> str:
         return (
-            f"GemmaTokenizer({len(self)} ids: pad={self.pad_id}, eos={self.eos_id}, "
-            f"bos={self.bos_id}, unk={self.unk_id}, image={self.image_token_id})"
+            f"GemmaTokenizer({len(self)} ids: pad={self.pad_id}, "
+            f"eos={self.eos_id}, bos={self.bos_id}, unk={self.unk_id}, "
+            f"image={self.image_token_id})"
         )
 
     def has_piece(self, piece: str) -> bool:
@@ -458,7 +501,8 @@ class GemmaTokenizer:
             return IMAGE_TOKEN
         if not 0 <= token_id < len(self.sp):
             hint = (
-                "; -100 marks ignored labels: drop those positions before decoding"
+                "; -100 marks ignored labels: drop those positions before "
+                "decoding"
                 if token_id == -100
                 else ""
             )
@@ -470,7 +514,13 @@ class GemmaTokenizer:
 
     @property
     def special_ids(self) -> set[int]:
-        return {self.pad_id, self.eos_id, self.bos_id, self.unk_id, self.image_token_id}
+        return {
+            self.pad_id,
+            self.eos_id,
+            self.bos_id,
+            self.unk_id,
+            self.image_token_id,
+        }
 
     def pieces(self, text: str) -> list[str]:
         return self.sp.encode(text, out_type=str)
@@ -478,19 +528,29 @@ class GemmaTokenizer:
     def encode(
         self, text: str, add_bos: bool = True, add_eos: bool = False
     ) -> list[int]:
-        "Text -> ids; `<bos>` first unless add_bos=False, `<eos>` last if add_eos=True"
+        """Text -> ids; `<bos>` first unless add_bos=False, `<eos>` last if
+        add_eos=True"""
         if not isinstance(text, str):
             raise TypeError(f"expected a str, got {type(text).__name__}")
-        return [self.bos_id] * add_bos + self.sp.encode(text) + [self.eos_id] * add_eos
+        return (
+            [self.bos_id] * add_bos
+            + self.sp.encode(text)
+            + [self.eos_id] * add_eos
+        )
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        "Ids of one sequence (list or 1-D tensor) -> text, special tokens kept or not"
+        """Ids of one sequence (list or 1-D tensor) -> text, special tokens
+        kept or not"""
         if isinstance(ids, torch.Tensor) and ids.ndim != 1:
             raise ValueError(
-                f"decode takes one sequence, got a tensor of shape {list(ids.shape)}; "
-                f"decode each row"
+                "decode takes one sequence, got a tensor of shape "
+                f"{list(ids.shape)}; decode each row"
             )
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+        ids = (
+            ids.tolist()
+            if isinstance(ids, torch.Tensor)
+            else [int(i) for i in ids]
+        )
         parts, run = [], []
         for token_id in ids:
             if token_id in self.special_ids:
@@ -507,7 +567,8 @@ class GemmaTokenizer:
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c029
 def default_tokenizer_path() -> Path:
-    "The book's small PaliGemma-style tokenizer (chapter 6), shipped in the package"
+    """The book's small PaliGemma-style tokenizer (chapter 6), shipped in the
+    package"""
     return (
         Path(find_spec("paligemma_lib.processing").origin).parent
         / "assets"
@@ -517,16 +578,20 @@ def default_tokenizer_path() -> Path:
 # %% ../book/06_tokenizer_and_processor.ipynb #c036
 @dataclass
 class PaliGemmaBatch:
-    "The model's inputs: [B, S] int64; pixel_values [B, 3, image_size, image_size]"
+    """The model's inputs: [B, S] int64; pixel_values [B, 3, image_size,
+    image_size]"""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor  # 1 = token, 0 = padding
     token_type_ids: torch.Tensor  # 0 = image, prefix or padding; 1 = suffix
     pixel_values: torch.Tensor
-    labels: torch.Tensor | None = None  # training only: suffix ids, -100 elsewhere
+    # training only: suffix ids, -100 elsewhere
+    labels: torch.Tensor | None = None
 
     def keys(self) -> list[str]:
-        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+        return [
+            f.name for f in fields(self) if getattr(self, f.name) is not None
+        ]
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self.keys():
@@ -535,7 +600,8 @@ class PaliGemmaBatch:
 
     def to(self, device=None, dtype=None) -> "PaliGemmaBatch":
         """Every tensor to `device`; `dtype` (e.g. torch.bfloat16) for float
-        pixel_values only (8-bit levels stay uint8: the model normalises them)"""
+        pixel_values only (8-bit levels stay uint8: the model normalises them)
+        """
         moved = {k: self[k].to(device) for k in self.keys()}
         if moved["pixel_values"].is_floating_point():
             moved["pixel_values"] = moved["pixel_values"].to(
@@ -547,7 +613,8 @@ class PaliGemmaBatch:
 def pad_sequences(
     sequences: list[list[int]], pad_value: int, length: int, side: str
 ) -> torch.Tensor:
-    "Lists of ints -> [B, length] int64, padded with `pad_value` on `side` (left/right)"
+    """Lists of ints -> [B, length] int64, padded with `pad_value` on `side`
+    (left/right)"""
     out = torch.full((len(sequences), length), pad_value, dtype=torch.long)
     for row, seq in enumerate(sequences):
         values = torch.tensor(seq, dtype=torch.long)
@@ -560,7 +627,12 @@ def pad_sequences(
 # %% ../book/06_tokenizer_and_processor.ipynb #c038
 def _check_tokenizer(tokenizer: GemmaTokenizer):
     "PaliGemma's tokenizer has the location and the segmentation tokens"
-    for token in (LOC_TOKENS[0], LOC_TOKENS[-1], SEG_TOKENS[0], SEG_TOKENS[-1]):
+    for token in (
+        LOC_TOKENS[0],
+        LOC_TOKENS[-1],
+        SEG_TOKENS[0],
+        SEG_TOKENS[-1],
+    ):
         if not tokenizer.has_piece(token):
             raise ValueError(
                 f"the tokenizer has no {token} piece; PaliGemma needs "
@@ -573,37 +645,46 @@ def _as_texts(texts, what: str) -> list[str]:
     "A str or a list of str -> a list of str, or a clear error"
     texts = [texts] if isinstance(texts, str) else list(texts)
     if not texts:
-        raise ValueError(f"no {what} given: pass a str or a non-empty list of str")
+        raise ValueError(
+            f"no {what} given: pass a str or a non-empty list of str"
+        )
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise TypeError(
-                f"{what}[{i}] is a {type(text).__name__}; {what} must be strings"
+                f"{what}[{i}] is a {type(text).__name__}; {what} must be "
+                "strings"
             )
         if IMAGE_TOKEN in text:
             raise ValueError(
-                f"{what}[{i}] contains {IMAGE_TOKEN!r}: the processor adds the image "
-                f"tokens itself; remove it from the text"
+                f"{what}[{i}] contains {IMAGE_TOKEN!r}: the processor adds "
+                "the image tokens itself; remove it from the text"
             )
     return texts
 
 
 def _as_images(images) -> list:
     "One image (a path or a PIL image) or a list of them -> a list"
-    return [images] if isinstance(images, (str, Path, Image.Image)) else list(images)
+    return (
+        [images]
+        if isinstance(images, (str, Path, Image.Image))
+        else list(images)
+    )
 
 
-def _check_counts(images: list, prompts: list[str], suffixes: list[str] | None):
+def _check_counts(
+    images: list, prompts: list[str], suffixes: list[str] | None
+):
     "One image and (for training) one suffix per prompt"
     if len(images) != len(prompts):
         raise ValueError(
-            f"the number of images ({len(images)}) differs from the number of prompts "
-            f"({len(prompts)}); PaliGemma reads one image per prompt: repeat an image "
-            f"to ask it several things"
+            f"the number of images ({len(images)}) differs from the number of "
+            f"prompts ({len(prompts)}); PaliGemma reads one image per prompt: "
+            "repeat an image to ask it several things"
         )
     if suffixes is not None and len(suffixes) != len(prompts):
         raise ValueError(
-            f"the number of suffixes ({len(suffixes)}) differs from the number of "
-            f"prompts ({len(prompts)}); give one suffix per prompt"
+            f"the number of suffixes ({len(suffixes)}) differs from the "
+            f"number of prompts ({len(prompts)}); give one suffix per prompt"
         )
 
 
@@ -612,7 +693,8 @@ def _padding_side(padding_side: str | None, training: bool) -> str:
     side = padding_side or ("right" if training else "left")
     if side not in ("left", "right"):
         raise ValueError(
-            f"padding_side={side!r}: use 'right' (training) or 'left' (generation)"
+            f"padding_side={side!r}: use 'right' (training) or 'left' "
+            "(generation)"
         )
     return side
 
@@ -620,8 +702,8 @@ def _padding_side(padding_side: str | None, training: bool) -> str:
 def _check_return_tensors(return_tensors: str):
     if return_tensors != "pt":
         raise ValueError(
-            f"return_tensors={return_tensors!r}: only 'pt' (PyTorch tensors) is "
-            f"supported"
+            f"return_tensors={return_tensors!r}: only 'pt' (PyTorch tensors) "
+            "is supported"
         )
 
 
@@ -629,14 +711,18 @@ def _check_pixels(pixels: str, mean, std):
     "uint8 levels only where the model's normalisation (chapter 7) is ours"
     if pixels not in ("normalized", "uint8"):
         raise ValueError(
-            f"pixels={pixels!r}: use 'normalized' (float32 in [-1, 1]) or 'uint8' "
-            f"(the 8-bit levels, which the model normalises)"
+            f"pixels={pixels!r}: use 'normalized' (float32 in [-1, 1]) or "
+            "'uint8' (the 8-bit levels, which the model normalises)"
         )
-    if pixels == "uint8" and (tuple(mean), tuple(std)) != (IMAGE_MEAN, IMAGE_STD):
+    if pixels == "uint8" and (tuple(mean), tuple(std)) != (
+        IMAGE_MEAN,
+        IMAGE_STD,
+    ):
         raise ValueError(
-            f"pixels='uint8' leaves the normalisation to the model, which uses "
-            f"PaliGemma's mean {IMAGE_MEAN} and std {IMAGE_STD}; this processor's are "
-            f"{tuple(mean)} and {tuple(std)}: use pixels='normalized'"
+            "pixels='uint8' leaves the normalisation to the model, which "
+            f"uses PaliGemma's mean {IMAGE_MEAN} and std {IMAGE_STD}; this "
+            f"processor's are {tuple(mean)} and {tuple(std)}: use "
+            "pixels='normalized'"
         )
 
 
@@ -646,8 +732,11 @@ def _check_lengths(
     max_length: int,
     num_image_tokens: int,
 ):
-    "Nothing is cut: a prompt or suffix too long is an error that says by how much"
-    too_long = [(i, len(p)) for i, p in enumerate(prefixes) if len(p) > max_length]
+    """Nothing is cut: a prompt or suffix too long is an error that says by how
+    much"""
+    too_long = [
+        (i, len(p)) for i, p in enumerate(prefixes) if len(p) > max_length
+    ]
     if too_long:
         details = "; ".join(
             f"prompt {i} needs {n} ({num_image_tokens} image tokens + "
@@ -656,22 +745,24 @@ def _check_lengths(
             for i, n in too_long
         )
         raise ValueError(
-            f"max_length={max_length} is too short: {details}. Image tokens are never "
-            f"truncated; shorten the prompt or raise max_length"
+            f"max_length={max_length} is too short: {details}. Image tokens "
+            "are never truncated; shorten the prompt or raise max_length"
         )
     for i, (prefix, answer) in enumerate(zip(prefixes, answers)):
         if len(prefix) + len(answer) > max_length:
             raise ValueError(
-                f"max_length={max_length} is too short for example {i}: its prompt "
-                f"needs {len(prefix)} tokens and its suffix {len(answer)} (with "
-                f"<eos>), {len(prefix) + len(answer) - max_length} too many. Suffixes "
-                f"are not cut (the model would learn answers without their end); "
-                f"raise max_length or shorten the suffix"
+                f"max_length={max_length} is too short for example {i}: its "
+                f"prompt needs {len(prefix)} tokens and its suffix "
+                f"{len(answer)} (with <eos>), "
+                f"{len(prefix) + len(answer) - max_length} too many. Suffixes "
+                "are not cut (the model would learn answers without their "
+                "end); raise max_length or shorten the suffix"
             )
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c040
 class PaliGemmaProcessor:
-    "Images + prompts (+ suffixes) -> PaliGemmaBatch, laid out as transformers does"
+    """Images + prompts (+ suffixes) -> PaliGemmaBatch, laid out as
+    transformers does"""
 
     def __init__(
         self,
@@ -684,8 +775,8 @@ class PaliGemmaProcessor:
         _check_tokenizer(tokenizer)
         if num_image_tokens < 1 or image_size < 1:
             raise ValueError(
-                f"image_size ({image_size}) and num_image_tokens ({num_image_tokens}) "
-                f"must be positive"
+                f"image_size ({image_size}) and num_image_tokens "
+                f"({num_image_tokens}) must be positive"
             )
         self.tokenizer = tokenizer
         self.image_size, self.num_image_tokens = image_size, num_image_tokens
@@ -693,19 +784,24 @@ class PaliGemmaProcessor:
 
     @classmethod
     def from_pretrained(cls, folder) -> "PaliGemmaProcessor":
-        """Tokenizer and image settings from a PaliGemma checkpoint folder, or from a
-        shipped model's name ("nano"; see `resolve_model_path`)"""
+        """Tokenizer and image settings from a PaliGemma checkpoint folder, or
+        from a shipped model's name ("nano"; see `resolve_model_path`)"""
         folder = resolve_model_path(folder)
         tokenizer = GemmaTokenizer.from_file(_tokenizer_file(folder))
         return cls(tokenizer, **_image_settings(folder))
 
     def save_pretrained(self, folder):
-        "tokenizer.model, tokenizer_config.json, preprocessor_config.json (Hub layout)"
+        """tokenizer.model, tokenizer_config.json, preprocessor_config.json
+        (Hub layout)"""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.tokenizer.save(folder / "tokenizer.model")
-        _write_json(folder / "tokenizer_config.json", _tokenizer_config(self.tokenizer))
-        _write_json(folder / "preprocessor_config.json", _preprocessor_config(self))
+        _write_json(
+            folder / "tokenizer_config.json", _tokenizer_config(self.tokenizer)
+        )
+        _write_json(
+            folder / "preprocessor_config.json", _preprocessor_config(self)
+        )
 
     def __repr__(self) -> str:
         return (
@@ -720,7 +816,9 @@ class PaliGemmaProcessor:
     def encode_prefix(self, prompt: str) -> list[int]:
         "<image> x N, <bos>, then prompt + newline tokenised as one string"
         image_tokens = [self.image_token_id] * self.num_image_tokens
-        return image_tokens + self.tokenizer.encode(prompt + "\n", add_bos=True)
+        return image_tokens + self.tokenizer.encode(
+            prompt + "\n", add_bos=True
+        )
 
     def encode_suffix(self, suffix: str) -> list[int]:
         return self.tokenizer.encode(suffix, add_bos=False, add_eos=True)
@@ -739,21 +837,25 @@ class PaliGemmaProcessor:
 
         images: an image (path or PIL image) or a list, one per prompt.
         prompts: a string or a list of strings: the task, e.g. "caption en".
-        suffixes: for training, the answers the model should learn (a string or a
+        suffixes: for training, the answers the model should learn (a string or
+        a
             list); they get `labels` and are padded on the right.
         padding_side: "left" (the default without suffixes, for generation) or
             "right" (the default with suffixes).
-        max_length: an upper bound on the sequence length; nothing is cut, a longer
+        max_length: an upper bound on the sequence length; nothing is cut, a
+        longer
             sequence is an error that says by how much.
-        return_tensors: "pt" only.
-        pixels: "normalized" (float32 in [-1, 1]) or "uint8" (the 8-bit levels, a
+        return_tensors: "pt" only. pixels: "normalized" (float32 in [-1, 1]) or
+        "uint8" (the 8-bit levels, a
             quarter of the bytes: the model normalises them, chapter 7).
         Returns a PaliGemmaBatch: input_ids, attention_mask, token_type_ids,
         pixel_values and labels (None without suffixes)."""
         _check_return_tensors(return_tensors)
         _check_pixels(pixels, self.image_mean, self.image_std)
         prompts, images = _as_texts(prompts, "prompts"), _as_images(images)
-        suffixes = None if suffixes is None else _as_texts(suffixes, "suffixes")
+        suffixes = (
+            None if suffixes is None else _as_texts(suffixes, "suffixes")
+        )
         _check_counts(images, prompts, suffixes)
         side = _padding_side(padding_side, training=suffixes is not None)
 
@@ -762,14 +864,21 @@ class PaliGemmaProcessor:
         if suffixes is not None:
             answers = [self.encode_suffix(s) for s in suffixes]
         if max_length is not None:
-            _check_lengths(prefixes, answers, max_length, self.num_image_tokens)
+            _check_lengths(
+                prefixes, answers, max_length, self.num_image_tokens
+            )
         sequences = [p + a for p, a in zip(prefixes, answers)]
-        types = [[0] * len(p) + [1] * len(a) for p, a in zip(prefixes, answers)]
+        types = [
+            [0] * len(p) + [1] * len(a) for p, a in zip(prefixes, answers)
+        ]
 
         S = max(len(s) for s in sequences)
-        input_ids = pad_sequences(sequences, self.tokenizer.pad_id, S, side)  # [B, S]
+        # [B, S]
+        input_ids = pad_sequences(sequences, self.tokenizer.pad_id, S, side)
         token_type_ids = pad_sequences(types, 0, S, side)  # [B, S]
-        attention_mask = pad_sequences([[1] * len(s) for s in sequences], 0, S, side)
+        attention_mask = pad_sequences(
+            [[1] * len(s) for s in sequences], 0, S, side
+        )
         labels = None
         if suffixes is not None:
             labels = input_ids.masked_fill(token_type_ids == 0, -100)  # [B, S]
@@ -784,7 +893,9 @@ class PaliGemmaProcessor:
         )
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens
+        )
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c053o
 SHIPPED = {"nano": "assets/nano"}  # name -> its folder inside the package
@@ -792,14 +903,17 @@ SHIPPED = {"nano": "assets/nano"}  # name -> its folder inside the package
 
 def shipped_model_path(name: str) -> Path:
     "The package's folder of a shipped model (a key of SHIPPED)"
-    return Path(find_spec("paligemma_lib.processing").origin).parent / SHIPPED[name]
+    return (
+        Path(find_spec("paligemma_lib.processing").origin).parent
+        / SHIPPED[name]
+    )
 
 
 def resolve_model_path(name_or_path) -> Path:
-    """A checkpoint folder from a path or a shipped model's name ("nano"). An existing
-    local folder of that name wins; then a shipped name; then an existing path (a file
-    gives its own error later); anything else is a FileNotFoundError naming the
-    shipped models"""
+    """A checkpoint folder from a path or a shipped model's name ("nano"). An
+    existing local folder of that name wins; then a shipped name; then an
+    existing path (a file gives its own error later); anything else is a
+    FileNotFoundError naming the shipped models"""
     path = Path(name_or_path)
     if path.is_dir():
         return path
@@ -808,14 +922,15 @@ def resolve_model_path(name_or_path) -> Path:
     if path.exists():
         return path
     raise FileNotFoundError(
-        f"no checkpoint folder at {path}, and {str(name_or_path)!r} is not the name of "
-        f"a shipped model ({', '.join(SHIPPED)})"
+        f"no checkpoint folder at {path}, and {str(name_or_path)!r} is not "
+        f"the name of a shipped model ({', '.join(SHIPPED)})"
     )
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c055
 def read_json(path: Path, missing_ok: bool = False) -> dict:
-    """The JSON object in a settings file; {} if it is absent and `missing_ok`. A file
-    that is not JSON, or JSON that is not an object, is an error naming the file"""
+    """The JSON object in a settings file; {} if it is absent and `missing_ok`.
+    A file that is not JSON, or JSON that is not an object, is an error naming
+    the file"""
     path = Path(path)
     if missing_ok and not path.is_file():
         return {}
@@ -823,11 +938,13 @@ def read_json(path: Path, missing_ok: bool = False) -> dict:
         content = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(
-            f"{path} is not valid JSON ({e.msg}, line {e.lineno} column {e.colno}); "
-            f"is the file complete? Download it again"
+            f"{path} is not valid JSON ({e.msg}, line {e.lineno} column "
+            f"{e.colno}); is the file complete? Download it again"
         ) from None
     except UnicodeDecodeError:
-        raise ValueError(f"{path} is not a text file; it should hold JSON") from None
+        raise ValueError(
+            f"{path} is not a text file; it should hold JSON"
+        ) from None
     if not isinstance(content, dict):
         raise ValueError(
             f"{path} holds a JSON {type(content).__name__}, not an object "
@@ -841,30 +958,40 @@ def _write_json(path: Path, content: dict):
 
 
 def _tokenizer_file(folder: Path) -> Path:
-    "The tokenizer.model of a checkpoint folder, or an error that says where to get one"
+    """The tokenizer.model of a checkpoint folder, or an error that says where
+    to get one"""
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder")
     if not (folder / "tokenizer.model").is_file():
         raise FileNotFoundError(
             f"{folder} has no tokenizer.model (the SentencePiece model). Hub "
-            f"checkpoints have one. A folder saved by paligemma_lib's save_pretrained "
-            f"without processor=... has none: save the processor too "
-            f"(processor.save_pretrained(folder)). Folders saved by transformers 5 "
-            f"keep only tokenizer.json: copy tokenizer.model from the original "
-            f"checkpoint"
+            "checkpoints have one. A folder saved by paligemma_lib's "
+            "save_pretrained without processor=... has none: save the "
+            "processor too (processor.save_pretrained(folder)). Folders "
+            "saved by transformers 5 keep only tokenizer.json: copy "
+            "tokenizer.model from the original checkpoint"
         )
     return folder / "tokenizer.model"
 
 
 def _image_settings(folder: Path) -> dict:
-    "image_size, num_image_tokens, image_mean, image_std from a folder's JSON files"
-    found = {}  # setting -> {where it was found: value}, so a contradiction shows
+    """image_size, num_image_tokens, image_mean, image_std from a folder's JSON
+    files"""
+    # setting -> {where it was found: value}, so a contradiction shows
+    found = {}
     config = read_json(folder / "config.json", missing_ok=True)
-    vision, text = config.get("vision_config", {}), config.get("text_config", {})
+    vision, text = (
+        config.get("vision_config", {}),
+        config.get("text_config", {}),
+    )
     if "image_size" in vision:
-        found.setdefault("image_size", {})["config.json"] = vision["image_size"]
+        found.setdefault("image_size", {})["config.json"] = vision[
+            "image_size"
+        ]
         if "patch_size" in vision:
-            where = "config.json (vision_config: image_size / patch_size, squared)"
+            where = (
+                "config.json (vision_config: image_size / patch_size, squared)"
+            )
             side = vision["image_size"] // vision["patch_size"]
             found.setdefault("num_image_tokens", {})[where] = side**2
     for where, section in [
@@ -873,19 +1000,21 @@ def _image_settings(folder: Path) -> dict:
         ("text_config", text),
     ]:
         if "num_image_tokens" in section:
-            found.setdefault("num_image_tokens", {})[f"config.json ({where})"] = (
-                section["num_image_tokens"]
-            )
+            found.setdefault("num_image_tokens", {})[
+                f"config.json ({where})"
+            ] = section["num_image_tokens"]
     for name in ["processor_config.json", "preprocessor_config.json"]:
         settings = read_json(folder / name, missing_ok=True)
         settings = settings.get("image_processor", settings)
         if "size" in settings:
             size = settings["size"]
-            if isinstance(size, int):  # transformers reads it as the shortest edge
+            # transformers reads it as the shortest edge
+            if isinstance(size, int):
                 raise ValueError(
-                    f'{folder / name} gives "size": {size}, one number; transformers '
-                    f"reads that as the shortest edge, not a square. PaliGemma resizes "
-                    f'to a square: write "size": {{"height": {size}, "width": {size}}}'
+                    f'{folder / name} gives "size": {size}, one number; '
+                    "transformers reads that as the shortest edge, not a "
+                    'square. PaliGemma resizes to a square: write "size": '
+                    f'{{"height": {size}, "width": {size}}}'
                 )
             if not isinstance(size, dict):
                 raise ValueError(
@@ -894,8 +1023,8 @@ def _image_settings(folder: Path) -> dict:
                 )
             if size.get("height") != size.get("width") or "height" not in size:
                 raise ValueError(
-                    f"{folder / name} asks for size {size}; PaliGemma resizes to a "
-                    f"square (height == width)"
+                    f"{folder / name} asks for size {size}; PaliGemma resizes "
+                    "to a square (height == width)"
                 )
             found.setdefault("image_size", {})[name] = size["height"]
         if "image_seq_length" in settings:
@@ -907,14 +1036,16 @@ def _image_settings(folder: Path) -> dict:
                 found.setdefault(key, {})[name] = tuple(settings[key])
     for key, values in found.items():
         if len(set(values.values())) > 1:
-            raise ValueError(f"the files in {folder} disagree on {key}: {values}")
+            raise ValueError(
+                f"the files in {folder} disagree on {key}: {values}"
+            )
     missing = [k for k in ("image_size", "num_image_tokens") if k not in found]
     if missing:
         raise ValueError(
-            f"found no {' or '.join(missing)} in {folder} (looked in config.json, "
-            f"processor_config.json, preprocessor_config.json); build "
-            f"PaliGemmaProcessor(tokenizer, image_size=..., num_image_tokens=...) "
-            f"yourself"
+            f"found no {' or '.join(missing)} in {folder} (looked in "
+            "config.json, processor_config.json, preprocessor_config.json); "
+            "build PaliGemmaProcessor(tokenizer, image_size=..., "
+            "num_image_tokens=...) yourself"
         )
     return {key: next(iter(values.values())) for key, values in found.items()}
 
@@ -940,7 +1071,10 @@ def _preprocessor_config(processor: "PaliGemmaProcessor") -> dict:
         "image_processor_type": "SiglipImageProcessor",
         "processor_class": "PaliGemmaProcessor",
         "image_seq_length": processor.num_image_tokens,
-        "size": {"height": processor.image_size, "width": processor.image_size},
+        "size": {
+            "height": processor.image_size,
+            "width": processor.image_size,
+        },
         "do_convert_rgb": True,
         "do_resize": True,
         "resample": 3,  # bicubic
@@ -957,16 +1091,22 @@ _LOC_OBJECT = re.compile(r"((?:<loc\d{4}>){4})(?:<seg\d{3}>)*([^;<]*)")
 
 
 def coordinate_to_bin(value: float, size: float) -> int:
-    "Pixel coordinate on a side of `size` pixels -> round(value / size * 1023), clipped"
-    return min(max(round(value / size * (NUM_LOC_BINS - 1)), 0), NUM_LOC_BINS - 1)
+    """Pixel coordinate on a side of `size` pixels -> round(value / size *
+    1023), clipped"""
+    return min(
+        max(round(value / size * (NUM_LOC_BINS - 1)), 0), NUM_LOC_BINS - 1
+    )
 
 
 def bin_to_coordinate(index: int, size: float) -> float:
     return index / (NUM_LOC_BINS - 1) * size
 
 
-def boxes_to_loc_string(boxes_xyxy, image_width: int, image_height: int, labels) -> str:
-    "Boxes (xmin, ymin, xmax, ymax) in pixels, labels -> '<locYMIN>...<locXMAX> label'"
+def boxes_to_loc_string(
+    boxes_xyxy, image_width: int, image_height: int, labels
+) -> str:
+    """Boxes (xmin, ymin, xmax, ymax) in pixels, labels ->
+    '<locYMIN>...<locXMAX> label'"""
     boxes = (
         boxes_xyxy.tolist()
         if isinstance(boxes_xyxy, torch.Tensor)
@@ -975,13 +1115,15 @@ def boxes_to_loc_string(boxes_xyxy, image_width: int, image_height: int, labels)
     labels = [labels] if isinstance(labels, str) else list(labels)
     if len(labels) != len(boxes):
         raise ValueError(
-            f"got {len(boxes)} boxes and {len(labels)} labels; give one label per box"
+            f"got {len(boxes)} boxes and {len(labels)} labels; give one label "
+            "per box"
         )
     objects = []
     for i, (box, label) in enumerate(zip(boxes, labels)):
         if len(box) != 4:
             raise ValueError(
-                f"box {i} is {box}; a box is (xmin, ymin, xmax, ymax) in pixels"
+                f"box {i} is {box}; a box is (xmin, ymin, xmax, ymax) in "
+                "pixels"
             )
         x0, y0, x1, y1 = box
         if x1 < x0 or y1 < y0:
@@ -991,8 +1133,8 @@ def boxes_to_loc_string(boxes_xyxy, image_width: int, image_height: int, labels)
             )
         if ";" in label or "<" in label:
             raise ValueError(
-                f"label {i} {label!r} contains ';' or '<', which separate objects and "
-                f"tokens"
+                f"label {i} {label!r} contains ';' or '<', which separate "
+                "objects and tokens"
             )
         bins = [
             coordinate_to_bin(y0, image_height),
@@ -1010,7 +1152,8 @@ def boxes_to_loc_string(boxes_xyxy, image_width: int, image_height: int, labels)
 def parse_loc_tokens(
     text: str, image_width: int, image_height: int
 ) -> list[tuple[tuple[float, float, float, float], str]]:
-    "'<locYMIN>...<locXMAX> label ; ...' -> [((xmin, ymin, xmax, ymax), label)], pixels"
+    """'<locYMIN>...<locXMAX> label ; ...' -> [((xmin, ymin, xmax, ymax),
+    label)], pixels"""
     objects = []
     for match in _LOC_OBJECT.finditer(text):
         y0, x0, y1, x1 = (int(v) for v in re.findall(r"\d{4}", match.group(1)))
@@ -1028,16 +1171,18 @@ BOX_COLOURS = ("lime", "magenta", "orange", "cyan", "yellow", "purple")
 
 
 def draw_boxes(image, objects, width: int = 3) -> Image.Image:
-    """A copy of `image` with each (box (x0, y0, x1, y1) in pixels, label) of `objects`
-    drawn, as parse_loc_tokens gives them"""
+    """A copy of `image` with each (box (x0, y0, x1, y1) in pixels, label) of
+    `objects` drawn, as parse_loc_tokens gives them"""
     image = to_rgb(image).copy()
     draw = ImageDraw.Draw(image)
     for i, ((x0, y0, x1, y1), label) in enumerate(objects):
-        x0, x1 = sorted((x0, x1))  # a model can write a box with its corners swapped
+        # a model can write a box with its corners swapped
+        x0, x1 = sorted((x0, x1))
         y0, y1 = sorted((y0, y1))
         colour = BOX_COLOURS[i % len(BOX_COLOURS)]
         draw.rectangle((x0, y0, x1, y1), outline=colour, width=width)
-        # white text on a tab of the box's colour, above the box (inside at the top)
+        # white text on a tab of the box's colour, above the box (inside at the
+        # top)
         if label:
             text_box = draw.textbbox((0, 0), label)
             w, h = text_box[2] - text_box[0] + 6, text_box[3] - text_box[1] + 6

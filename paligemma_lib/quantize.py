@@ -8,19 +8,20 @@ __all__ = ['INT8_MAX', 'HALF', 'DECODER_LINEARS', 'int8_weights', 'Int8Linear',
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from .lora import DEFAULT_TARGETS
 
-__doc__ = """int8 weight-only quantisation (chapter 8.1): the decoder's Linear layers
-hold int8 weights and one scale per output channel, dequantised inside the product."""
+__doc__ = """int8 weight-only quantisation (chapter 8.1): the decoder's Linear
+layers hold int8 weights and one scale per output channel, dequantised inside
+the product."""
 
 # %% ../book/08b_int8.ipynb #q006
 INT8_MAX = 127  # symmetric codes -127..127: -q is always a code too
 
 
 def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight [out, in] -> (q [out, in] int8, scale [out] in weight's dtype), per
-    output channel and symmetric: q * scale[:, None] is within scale / 2 of weight"""
+    """A weight [out, in] -> (q [out, in] int8, scale [out] in weight's dtype),
+    per output channel and symmetric: q * scale[:, None] is within scale / 2 of
+    weight"""
     w = weight.detach().float()  # [O, I]; exact for bf16, fp16 and fp32
     if not w.is_meta and not torch.isfinite(w).all():  # meta: shapes only
         raise ValueError("the weight holds inf or nan: it has no int8 scale")
@@ -29,7 +30,8 @@ def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # a scale rounded down would clamp the largest weight: step it up one value
     up = torch.nextafter(scale, torch.full_like(scale, float("inf")))
     scale = torch.where(scale.float() * INT8_MAX < amax, up, scale)
-    scale = torch.where(amax == 0, torch.ones_like(scale), scale)  # an all-zero row
+    # an all-zero row
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     q = torch.round(w / scale.float()[:, None]).clamp(-INT8_MAX, INT8_MAX)
     return q.to(torch.int8), scale
 
@@ -41,15 +43,20 @@ class Int8Linear(nn.Module):
     """A Linear layer with int8 weights, one scale per output channel:
     y = (x @ q^T) * scale + bias, computed in x's dtype"""
 
-    def __init__(self, in_features, out_features, bias=False, dtype=None, device=None):
+    def __init__(
+        self, in_features, out_features, bias=False, dtype=None, device=None
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer(
             "weight_int8",
-            torch.zeros(out_features, in_features, dtype=torch.int8, device=device),
+            torch.zeros(
+                out_features, in_features, dtype=torch.int8, device=device
+            ),
         )
         self.register_buffer(
-            "weight_scale", torch.ones(out_features, dtype=dtype, device=device)
+            "weight_scale",
+            torch.ones(out_features, dtype=dtype, device=device),
         )
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
@@ -59,7 +66,8 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        "The int8 form of an nn.Linear (its weight's codes and scales; its bias as is)"
+        """The int8 form of an nn.Linear (its weight's codes and scales; its
+        bias as is)"""
         w = linear.weight
         new = cls(
             linear.in_features,
@@ -70,42 +78,55 @@ class Int8Linear(nn.Module):
         )
         new.weight_int8, new.weight_scale = int8_weights(w)
         if linear.bias is not None:
-            new.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+            new.bias = nn.Parameter(
+                linear.bias.detach().clone(), requires_grad=False
+            )
         return new
 
     def dequantize(self) -> torch.Tensor:
         "The float weight it stands for: q * scale, [out, in]"
-        return self.weight_int8.to(self.weight_scale.dtype) * self.weight_scale[:, None]
+        return (
+            self.weight_int8.to(self.weight_scale.dtype)
+            * self.weight_scale[:, None]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             x.device.type == "cpu"
             and x.dtype == self.weight_scale.dtype in HALF
-            and self.in_features % 16 == 0  # the kernel's blocks (else it crashes)
+            # the kernel's blocks (else it crashes)
+            and self.in_features % 16 == 0
         ):
             # PyTorch's weight-only int8 kernel: it reads the codes as they are
             rows = x.reshape(-1, self.in_features).contiguous()  # [M, in]
-            y = torch._weight_int8pack_mm(rows, self.weight_int8, self.weight_scale)
+            y = torch._weight_int8pack_mm(
+                rows, self.weight_int8, self.weight_scale
+            )
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             y = self.cast_product(x)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def cast_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ (q * scale)^T through the codes cast to x's dtype: the route of a GPU,
-        of float32, and of widths the CPU kernel does not take. The scale is per
-        output, so it comes out of the sum onto the output, except in float16: there
-        the sum of x times codes up to 127 would be 127/max|W| times the output and
-        overflow, so the codes are scaled first, a weight of the output's size"""
-        codes, scale = self.weight_int8.to(x.dtype), self.weight_scale.to(x.dtype)
+        """x @ (q * scale)^T through the codes cast to x's dtype: the route of
+        a GPU, of float32, and of widths the CPU kernel does not take. The
+        scale is per output, so it comes out of the sum onto the output, except
+        in float16: there the sum of x times codes up to 127 would be
+        127/max|W| times the output and overflow, so the codes are scaled
+        first, a weight of the output's size"""
+        codes, scale = (
+            self.weight_int8.to(x.dtype),
+            self.weight_scale.to(x.dtype),
+        )
         if x.dtype == torch.float16:
             return F.linear(x, codes.mul_(scale[:, None]))  # [.., out]
         return F.linear(x, codes) * scale  # [.., out]
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, scale dtype={self.weight_scale.dtype}"
+            f"in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.bias is not None}, "
+            f"scale dtype={self.weight_scale.dtype}"
         )
 
 # %% ../book/08b_int8.ipynb #q014
@@ -114,11 +135,16 @@ DECODER_LINEARS = tuple(DEFAULT_TARGETS)
 
 
 def quantize_int8(model) -> list[str]:
-    """Replace, in place, the decoder layers' Linear layers (attention and MLP) of a
-    PaliGemma model (or of its GemmaForCausalLM) by Int8Linear; the names replaced.
-    The vision tower, the projector, the embedding and the tied LM head stay."""
+    """Replace, in place, the decoder layers' Linear layers (attention and MLP)
+    of a PaliGemma model (or of its GemmaForCausalLM) by Int8Linear; the names
+    replaced. The vision tower, the projector, the embedding and the tied LM
+    head stay."""
     text = getattr(model, "language_model", model)
-    prefix = "language_model.model.layers." if text is not model else "model.layers."
+    prefix = (
+        "language_model.model.layers."
+        if text is not model
+        else "model.layers."
+    )
     layers = text.model.layers
     names = []
     for name, module in list(layers.named_modules()):
@@ -129,26 +155,32 @@ def quantize_int8(model) -> list[str]:
             raise ValueError("the model is already quantised to int8")
         if type(module) is not nn.Linear:
             raise ValueError(
-                f"{prefix}{name} is a {type(module).__name__}, not "
-                f"an nn.Linear: quantize_int8 takes a plain model (merge_lora(model) "
-                f"first, or load it again)"
+                f"{prefix}{name} is a {type(module).__name__}, not an "
+                "nn.Linear: quantize_int8 takes a plain model "
+                "(merge_lora(model) first, or load it again)"
             )
-        setattr(layers.get_submodule(parent), child, Int8Linear.from_linear(module))
+        setattr(
+            layers.get_submodule(parent), child, Int8Linear.from_linear(module)
+        )
         names.append(prefix + name)
     return names
 
 
 def decoder_bytes(model) -> dict:
-    """Bytes a decoding step reads of the language model's weights, by part: the
-    decoder layers' Linears (int8 codes and scales once quantised), their norms, the
-    final norm and the LM head (the embedding table, tied)"""
+    """Bytes a decoding step reads of the language model's weights, by part:
+    the decoder layers' Linears (int8 codes and scales once quantised), their
+    norms, the final norm and the LM head (the embedding table, tied)"""
     text = model.language_model
     parts = {"linears": 0, "norms": 0}
     for module in text.model.layers.modules():
         tensors = module.parameters(recurse=False)
         if isinstance(module, Int8Linear):
             tensors = [module.weight_int8, module.weight_scale]
-        part = "linears" if isinstance(module, (nn.Linear, Int8Linear)) else "norms"
+        part = (
+            "linears"
+            if isinstance(module, (nn.Linear, Int8Linear))
+            else "norms"
+        )
         parts[part] += sum(t.numel() * t.element_size() for t in tensors)
     norm = text.model.norm.weight
     parts["norms"] += norm.numel() * norm.element_size()

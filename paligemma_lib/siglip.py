@@ -11,32 +11,34 @@ __all__ = ['check_pixel_values', 'SiglipVisionEmbeddings', 'explicit_attention',
 
 # %% ../book/01_images_to_patches.ipynb #c035
 import torch
-from torch import nn
-
 from .config import VisionConfig
+from torch import nn
 
 
 def check_pixel_values(pixel_values: torch.Tensor, config: VisionConfig):
-    "A clear error unless `pixel_values` is [B, num_channels, image_size, image_size]"
+    """A clear error unless `pixel_values` is [B, num_channels, image_size,
+    image_size]"""
     expected = (config.num_channels, config.image_size, config.image_size)
     if not pixel_values.is_floating_point():
         raise ValueError(
-            f"pixel_values has dtype {pixel_values.dtype}; expected floats normalised "
-            f"to [-1, 1] (raw 0..255 pixels would give meaningless features): "
-            f"paligemma_lib.processing.process_images(images, "
+            f"pixel_values has dtype {pixel_values.dtype}; expected floats "
+            "normalised to [-1, 1] (raw 0..255 pixels would give meaningless "
+            "features): paligemma_lib.processing.process_images(images, "
             f"image_size={config.image_size}) makes them"
         )
     if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
         raise ValueError(
             f"pixel_values has shape {list(pixel_values.shape)}; expected "
             f"[batch, {', '.join(map(str, expected))}] for this model "
-            f"(image_size={config.image_size}). paligemma_lib.processing."
-            f"process_images(images, image_size={config.image_size}) makes them"
+            f"(image_size={config.image_size}). "
+            "paligemma_lib.processing.process_images(images, "
+            f"image_size={config.image_size}) makes them"
         )
 
 
 class SiglipVisionEmbeddings(nn.Module):
-    "Patch embedding (a Conv2d, stride = kernel = patch_size) + position embeddings"
+    """Patch embedding (a Conv2d, stride = kernel = patch_size) + position
+    embeddings"""
 
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -57,38 +59,45 @@ class SiglipVisionEmbeddings(nn.Module):
         patches = self.patch_embedding(
             pixel_values.to(weight.dtype)
         )  # [B, D, side, side]
-        embeddings = patches.flatten(2).transpose(1, 2)  # [B, N, D], patches row by row
-        return embeddings + self.position_embedding.weight  # [B, N, D] + [N, D]
+        # [B, N, D], patches row by row
+        embeddings = patches.flatten(2).transpose(1, 2)
+        # [B, N, D] + [N, D]
+        return embeddings + self.position_embedding.weight
 
 # %% ../book/02_attention.ipynb #c003
 import torch.nn.functional as F
 
 # %% ../book/02_attention.ipynb #c012
-def explicit_attention(query, key, value, attn_mask=None, dropout_p=0.0, scale=None):
-    """Attention written out: (output [B, H, S, d_h], weights [B, H, S, S_k]) for S
-    queries and S_k keys. Same arguments and numbers as `F.scaled_dot_product_attention`
-    with an additive float `attn_mask` (0 = attend, very negative = blocked); a boolean
-    mask is refused."""
+def explicit_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, scale=None
+):
+    """Attention written out: (output [B, H, S, d_h], weights [B, H, S, S_k])
+    for S queries and S_k keys. Same arguments and numbers as
+    `F.scaled_dot_product_attention` with an additive float `attn_mask` (0 =
+    attend, very negative = blocked); a boolean mask is refused."""
     if attn_mask is not None and not attn_mask.is_floating_point():
         raise ValueError(
-            f"attn_mask has dtype {attn_mask.dtype}; explicit_attention adds the mask "
-            f"to the scores, so it must be additive floats (0 where attention is "
-            f"allowed, torch.finfo(dtype).min where not). For a boolean 'may attend' "
-            f"mask use torch.zeros(allowed.shape, dtype=dtype)"
-            f".masked_fill(~allowed, torch.finfo(dtype).min)"
+            f"attn_mask has dtype {attn_mask.dtype}; explicit_attention adds "
+            "the mask to the scores, so it must be additive floats (0 where "
+            "attention is allowed, torch.finfo(dtype).min where not). For a "
+            "boolean 'may attend' mask use torch.zeros(allowed.shape, "
+            "dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)"
         )
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     scores = (query @ key.transpose(-2, -1)) * scale  # [B, H, S, S_k]
     if attn_mask is not None:
         scores = scores + attn_mask
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(
+        query.dtype
+    )
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
     return weights @ value, weights  # [B, H, S, d_h], [B, H, S, S_k]
 
 # %% ../book/02_attention.ipynb #c026
 class SiglipAttention(nn.Module):
-    "Multi-head self-attention over all positions (no mask); the checkpoint's names"
+    """Multi-head self-attention over all positions (no mask); the checkpoint's
+    names"""
 
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -101,8 +110,11 @@ class SiglipAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, hidden_states: torch.Tensor, output_attentions: bool = False):
-        "[B, N, D] -> ([B, N, D], weights [B, H, N, N] if `output_attentions`, or None)"
+    def forward(
+        self, hidden_states: torch.Tensor, output_attentions: bool = False
+    ):
+        """[B, N, D] -> ([B, N, D], weights [B, H, N, N] if
+        `output_attentions`, or None)"""
         B, N, D = hidden_states.shape
         q, k, v = (
             proj(hidden_states)
@@ -122,7 +134,8 @@ class SiglipAttention(nn.Module):
                 ),
                 None,
             )
-        out = out.transpose(1, 2).reshape(B, N, D)  # [B, H, N, d_h] -> [B, N, D]
+        # [B, H, N, d_h] -> [B, N, D]
+        out = out.transpose(1, 2).reshape(B, N, D)
         return self.out_proj(out), weights
 
 # %% ../book/02_attention.ipynb #c032
@@ -144,18 +157,26 @@ class SiglipEncoderLayer(nn.Module):
 
     def __init__(self, config: VisionConfig):
         super().__init__()
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.layer_norm1 = nn.LayerNorm(
+            config.hidden_size, eps=config.layer_norm_eps
+        )
         self.self_attn = SiglipAttention(config)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.layer_norm2 = nn.LayerNorm(
+            config.hidden_size, eps=config.layer_norm_eps
+        )
         self.mlp = SiglipMLP(config)
 
-    def forward(self, hidden_states: torch.Tensor, output_attentions: bool = False):
+    def forward(
+        self, hidden_states: torch.Tensor, output_attentions: bool = False
+    ):
         "[B, N, D] -> ([B, N, D], attention weights or None)"
         attended, weights = self.self_attn(
             self.layer_norm1(hidden_states), output_attentions
         )
         hidden_states = hidden_states + attended
-        hidden_states = hidden_states + self.mlp(self.layer_norm2(hidden_states))
+        hidden_states = hidden_states + self.mlp(
+            self.layer_norm2(hidden_states)
+        )
         return hidden_states, weights
 
 # %% ../book/03_siglip_vision_tower.ipynb #c003
@@ -168,17 +189,24 @@ class SiglipEncoder(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
         self.layers = nn.ModuleList(
-            [SiglipEncoderLayer(config) for _ in range(config.num_hidden_layers)]
+            [
+                SiglipEncoderLayer(config)
+                for _ in range(config.num_hidden_layers)
+            ]
         )
 
-    def forward(self, inputs_embeds: torch.Tensor, output_attentions: bool = False):
+    def forward(
+        self, inputs_embeds: torch.Tensor, output_attentions: bool = False
+    ):
         """[B, N, D] -> ([B, N, D], one [B, H, N, N] weight tensor per layer if
         `output_attentions`, else None)"""
         hidden_states, attentions = inputs_embeds, []
         for layer in self.layers:
             hidden_states, weights = layer(hidden_states, output_attentions)
             attentions.append(weights)
-        return hidden_states, (tuple(attentions) if output_attentions else None)
+        return hidden_states, (
+            tuple(attentions) if output_attentions else None
+        )
 
 # %% ../book/03_siglip_vision_tower.ipynb #c008
 @dataclass
@@ -186,7 +214,8 @@ class SiglipVisionOutput:
     "What the vision tower returns"
 
     last_hidden_state: torch.Tensor  # [B, N, D]
-    attentions: tuple | None = None  # one [B, H, N, N] per layer, when asked for
+    # one [B, H, N, N] per layer, when asked for
+    attentions: tuple | None = None
 
 
 class SiglipVisionTransformer(nn.Module):
@@ -204,16 +233,19 @@ class SiglipVisionTransformer(nn.Module):
     def forward(
         self, pixel_values: torch.Tensor, output_attentions: bool = False
     ) -> SiglipVisionOutput:
-        "pixel_values [B, C, image_size, image_size] -> last_hidden_state [B, N, D]"
+        """pixel_values [B, C, image_size, image_size] -> last_hidden_state [B,
+        N, D]"""
         hidden_states, attentions = self.encoder(
             self.embeddings(pixel_values), output_attentions
         )
-        return SiglipVisionOutput(self.post_layernorm(hidden_states), attentions)
+        return SiglipVisionOutput(
+            self.post_layernorm(hidden_states), attentions
+        )
 
 
 class SiglipVisionModel(nn.Module):
-    """The SigLIP vision tower without a head, as PaliGemma uses it; its parameters
-    are named `vision_model.*`"""
+    """The SigLIP vision tower without a head, as PaliGemma uses it; its
+    parameters are named `vision_model.*`"""
 
     def __init__(self, config: VisionConfig):
         super().__init__()

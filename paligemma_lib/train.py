@@ -32,12 +32,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
-from tqdm import tqdm
-
 from .config import PaliGemmaConfig, TextConfig, VisionConfig
 from paligemma_lib.generation import (
     TruncatedAnswerWarning,
@@ -54,16 +48,23 @@ from paligemma_lib.lora import (
 from .paligemma import IGNORE_INDEX
 from .processing import GemmaTokenizer, parse_loc_tokens
 from .weights import load_pretrained, save_pretrained
+from safetensors import safe_open
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
 
-__doc__ = """Training (chapter 11): the loss on the suffix, AdamW with warm-up and a
-cosine schedule, gradient accumulation and clipping, autocast, gradient checkpointing,
-atomic checkpoints that resume bit for bit, DDP under torchrun, and the evaluation
-metrics of the synthetic worlds."""
+__doc__ = """Training (chapter 11): the loss on the suffix, AdamW with warm-up
+and a cosine schedule, gradient accumulation and clipping, autocast, gradient
+checkpointing, atomic checkpoints that resume bit for bit, DDP under torchrun,
+and the evaluation metrics of the synthetic worlds."""
 
 # %% ../book/11b_training.ipynb #c011
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    "Summed cross-entropy of labels[:, t + 1] given logits[:, t], over labels not -100"
-    shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # [B, S]
+    """Summed cross-entropy of labels[:, t + 1] given logits[:, t], over labels
+    not -100"""
+    # [B, S]
+    shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     return nn.functional.cross_entropy(
         logits.float().flatten(0, 1),
         shifted.flatten(),
@@ -73,16 +74,19 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def count_targets(labels: torch.Tensor) -> int:
-    "How many tokens the loss grades: labels not -100 that have a position before them"
+    """How many tokens the loss grades: labels not -100 that have a position
+    before them"""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 # %% ../book/11b_training.ipynb #c014
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW's two groups: weight decay on the matrices of linear and convolution
-    layers; none on norms, biases and embedding tables (tokens and tied LM head,
-    positions).
-    Parameters that do not require gradients are left out."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    """AdamW's two groups: weight decay on the matrices of linear and
+    convolution layers; none on norms, biases and embedding tables (tokens and
+    tied LM head, positions). Parameters that do not require gradients are left
+    out."""
+    embeddings = {
+        id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)
+    }
     decay, no_decay = [], []
     for p in model.parameters():  # each shared (tied) Parameter once
         if p.requires_grad:
@@ -97,20 +101,24 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def make_optimizer(
     model: nn.Module, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95)
 ) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas)
+    return torch.optim.AdamW(
+        param_groups(model, weight_decay), lr=lr, betas=betas
+    )
 
 # %% ../book/11b_training.ipynb #c017
 def warmup_cosine(
     step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.1
 ) -> float:
-    """The learning rate of optimiser step `step` (0-based) as a fraction of the peak:
-    (step + 1) / warmup_steps during the warm-up, then half a cosine from 1 down to
-    `min_ratio` at the last step, total_steps - 1"""
+    """The learning rate of optimiser step `step` (0-based) as a fraction of
+    the peak: (step + 1) / warmup_steps during the warm-up, then half a cosine
+    from 1 down to `min_ratio` at the last step, total_steps - 1"""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     decay_steps = max(total_steps - 1 - warmup_steps, 1)
     progress = min((step - warmup_steps) / decay_steps, 1.0)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return min_ratio + (1 - min_ratio) * 0.5 * (
+        1 + math.cos(math.pi * progress)
+    )
 
 
 def make_scheduler(
@@ -128,14 +136,18 @@ def make_scheduler(
 # %% ../book/11b_training.ipynb #c020
 @functools.lru_cache(maxsize=2)
 def epoch_order(num_examples: int, epoch: int, seed: int) -> tuple[int, ...]:
-    "The examples' order in one epoch: a permutation that depends only on (seed, epoch)"
+    """The examples' order in one epoch: a permutation that depends only on
+    (seed, epoch)"""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return tuple(torch.randperm(num_examples, generator=generator).tolist())
 
 
-def global_batch(num_examples: int, batch_size: int, step: int, seed: int) -> list[int]:
-    """Indices of the examples of optimiser step `step`: positions step * batch_size
-    onwards in the epochs laid end to end, each epoch shuffled by `epoch_order`"""
+def global_batch(
+    num_examples: int, batch_size: int, step: int, seed: int
+) -> list[int]:
+    """Indices of the examples of optimiser step `step`: positions step *
+    batch_size onwards in the epochs laid end to end, each epoch shuffled by
+    `epoch_order`"""
     indices, position = [], step * batch_size
     while len(indices) < batch_size:
         epoch, offset = divmod(position + len(indices), num_examples)
@@ -147,18 +159,21 @@ def global_batch(num_examples: int, batch_size: int, step: int, seed: int) -> li
 def shard(
     indices: list[int], rank: int, world_size: int, accumulation: int
 ) -> list[list[int]]:
-    """Process `rank`'s micro-batches of a global batch: every world_size-th index from
-    `rank`, as DistributedSampler deals them, cut into `accumulation` equal parts"""
+    """Process `rank`'s micro-batches of a global batch: every world_size-th
+    index from `rank`, as DistributedSampler deals them, cut into
+    `accumulation` equal parts"""
     mine = indices[rank::world_size]
     size = len(mine) // accumulation
     return [mine[i * size : (i + 1) * size] for i in range(accumulation)]
 
 # %% ../book/11b_training.ipynb #c023
-def autocast_dtype(device, native_bf16: bool | None = None) -> torch.dtype | None:
-    """The dtype autocast computes in on `device`: bf16 on a CUDA GPU with bf16 in
-    hardware (Ampere and later), fp16 on an older one (a T4 emulates bf16, slowly)
-    and on the CPU standing in for one (`gpu_branch`, chapter 8), None elsewhere (no
-    autocast: fp32 throughout). native_bf16: what the GPU has, as
+def autocast_dtype(
+    device, native_bf16: bool | None = None
+) -> torch.dtype | None:
+    """The dtype autocast computes in on `device`: bf16 on a CUDA GPU with bf16
+    in hardware (Ampere and later), fp16 on an older one (a T4 emulates bf16,
+    slowly) and on the CPU standing in for one (`gpu_branch`, chapter 8), None
+    elsewhere (no autocast: fp32 throughout). native_bf16: what the GPU has, as
     `has_native_bf16(device)` (chapter 8) answers when it is None"""
     device = torch.device(device)
     if not gpu_branch(device):
@@ -169,7 +184,8 @@ def autocast_dtype(device, native_bf16: bool | None = None) -> torch.dtype | Non
 
 
 def autocast(device) -> contextlib.AbstractContextManager:
-    "Autocast in `autocast_dtype(device)`; where that is None nothing: fp32 throughout"
+    """Autocast in `autocast_dtype(device)`; where that is None nothing: fp32
+    throughout"""
     dtype = autocast_dtype(device)
     if dtype is None:
         return contextlib.nullcontext()
@@ -177,7 +193,8 @@ def autocast(device) -> contextlib.AbstractContextManager:
 
 
 def grad_scaler(device) -> torch.amp.GradScaler:
-    "A loss scaler, on only where autocast computes in fp16 (its gradients underflow)"
+    """A loss scaler, on only where autocast computes in fp16 (its gradients
+    underflow)"""
     device = torch.device(device)
     return torch.amp.GradScaler(
         device.type, enabled=autocast_dtype(device) == torch.float16
@@ -185,7 +202,8 @@ def grad_scaler(device) -> torch.amp.GradScaler:
 
 
 def _forward_logits(model, batch) -> torch.Tensor:
-    "The model's logits [B, S, V] for a PaliGemmaBatch (its labels are not passed)"
+    """The model's logits [B, S, V] for a PaliGemmaBatch (its labels are not
+    passed)"""
     return model(
         input_ids=batch.input_ids,
         pixel_values=batch.pixel_values,
@@ -204,32 +222,39 @@ def training_step(
     world_size: int = 1,
     scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[float, float]:
-    """One optimiser step over this process's micro-batches (PaliGemmaBatch with
-    labels). The loss is the mean over all answer tokens of the global batch, so k
-    micro-batches give the gradient of one batch k times as large. `model` may be
-    wrapped in DistributedDataParallel. scaler: `grad_scaler(device)`, kept across
-    steps (fp16 autocast); None: no loss scaling. -> (the global batch's loss, the
-    gradient norm before clipping; inf when an fp16 step overflowed and was skipped)"""
+    """One optimiser step over this process's micro-batches (PaliGemmaBatch
+    with labels). The loss is the mean over all answer tokens of the global
+    batch, so k micro-batches give the gradient of one batch k times as large.
+    `model` may be wrapped in DistributedDataParallel. scaler:
+    `grad_scaler(device)`, kept across steps (fp16 autocast); None: no loss
+    scaling. -> (the global batch's loss, the gradient norm before clipping;
+    inf when an fp16 step overflowed and was skipped)"""
     model.train()
     if scaler is None:
         scaler = torch.amp.GradScaler(torch.device(device).type, enabled=False)
     count = torch.tensor(
-        float(sum(count_targets(b.labels) for b in micro_batches)), device=device
+        float(sum(count_targets(b.labels) for b in micro_batches)),
+        device=device,
     )
     if world_size > 1:
         dist.all_reduce(count)  # answer tokens in the global batch
     if count.item() == 0:
-        raise ValueError("the batch holds no answer tokens: every label is -100")
+        raise ValueError(
+            "the batch holds no answer tokens: every label is -100"
+        )
     total = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         batch = batch.to(device)
         last = i == len(micro_batches) - 1
         no_sync = getattr(model, "no_sync", None)
-        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+        with (
+            contextlib.nullcontext() if last or no_sync is None else no_sync()
+        ):
             with autocast(device):
                 logits = _forward_logits(model, batch)  # [B, S, V]
             loss = token_loss_sum(logits, batch.labels) / count
-            scaler.scale(loss * world_size).backward()  # DDP averages over processes
+            # DDP averages over processes
+            scaler.scale(loss * world_size).backward()
         total += loss.detach()
     if world_size > 1:
         dist.all_reduce(total)
@@ -237,7 +262,8 @@ def training_step(
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     scaler.step(optimizer)  # skipped if a gradient is inf or nan
     scaler.update()
-    with warnings.catch_warnings():  # the schedule counts steps, skipped ones too
+    # the schedule counts steps, skipped ones too
+    with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", "Detected call of `lr_scheduler.step", UserWarning
         )
@@ -247,16 +273,20 @@ def training_step(
 
 # %% ../book/11b_training.ipynb #c031
 def _checkpointed_forward(layer: nn.Module, *args):
-    "The layer's forward under torch.utils.checkpoint when gradients are recorded"
+    """The layer's forward under torch.utils.checkpoint when gradients are
+    recorded"""
     forward = type(layer).forward
     if torch.is_grad_enabled():
         return checkpoint(forward, layer, *args, use_reentrant=False)
     return forward(layer, *args)
 
 
-def set_gradient_checkpointing(model: nn.Module, enabled: bool = True) -> nn.Module:
-    """Recompute each vision encoder layer and each decoder layer during backward
-    instead of keeping its activations (enabled=False restores the plain forward)"""
+def set_gradient_checkpointing(
+    model: nn.Module, enabled: bool = True
+) -> nn.Module:
+    """Recompute each vision encoder layer and each decoder layer during
+    backward instead of keeping its activations (enabled=False restores the
+    plain forward)"""
     layers = [
         *model.vision_tower.vision_model.encoder.layers,
         *model.language_model.model.layers,
@@ -274,7 +304,8 @@ TRAINING_STATE = "training_state.pt"
 
 
 def rng_states() -> dict:
-    "The random number generators' states: Python's, torch's, and CUDA's when present"
+    """The random number generators' states: Python's, torch's, and CUDA's when
+    present"""
     states = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
@@ -289,14 +320,21 @@ def set_rng_states(states: dict):
 
 
 def save_checkpoint(
-    out_dir, model, optimizer, scheduler, state: dict, processor=None, keep: int = 2
+    out_dir,
+    model,
+    optimizer,
+    scheduler,
+    state: dict,
+    processor=None,
+    keep: int = 2,
 ) -> Path:
-    """Write out_dir/checkpoints/step-NNNNNNN (the step is state["step"]) atomically:
-    into a hidden folder beside it, renamed when complete. It holds the model as
-    save_pretrained writes it and training_state.pt: optimiser, scheduler, RNG states
-    and `state` (step, data position, settings, history). Only the last `keep`
-    checkpoints are kept. A model with LoRA adapters (chapter 10) is saved as its
-    adapter alone: the frozen base is the model the run started from."""
+    """Write out_dir/checkpoints/step-NNNNNNN (the step is state["step"])
+    atomically: into a hidden folder beside it, renamed when complete. It holds
+    the model as save_pretrained writes it and training_state.pt: optimiser,
+    scheduler, RNG states and `state` (step, data position, settings, history).
+    Only the last `keep` checkpoints are kept. A model with LoRA adapters
+    (chapter 10) is saved as its adapter alone: the frozen base is the model
+    the run started from."""
     root = Path(out_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state['step']:07d}"
@@ -313,7 +351,8 @@ def save_checkpoint(
             **state,
         }
         torch.save(training_state, staging / TRAINING_STATE)
-        if final.exists():  # the same step again (a run resumed from an earlier one)
+        # the same step again (a run resumed from an earlier one)
+        if final.exists():
             shutil.rmtree(final)
         staging.rename(final)
     finally:
@@ -330,8 +369,9 @@ def latest_checkpoint(out_dir) -> Path | None:
 
 
 def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
-    """Put a checkpoint's weights, optimiser and scheduler states and RNG states back
-    -> the rest of its training state (step, data position, settings, history)"""
+    """Put a checkpoint's weights, optimiser and scheduler states and RNG
+    states back -> the rest of its training state (step, data position,
+    settings, history)"""
     folder = Path(folder)
     device = next(model.parameters()).device
     adapters = lora_modules(model)
@@ -343,7 +383,9 @@ def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
     else:
         stored = load_pretrained(folder, dtype=torch.float32, device=device)
         model.load_state_dict(stored.state_dict())
-    state = torch.load(folder / TRAINING_STATE, map_location=device, weights_only=True)
+    state = torch.load(
+        folder / TRAINING_STATE, map_location=device, weights_only=True
+    )
     optimizer.load_state_dict(state.pop("optimizer"))
     scheduler.load_state_dict(state.pop("scheduler"))
     set_rng_states(state.pop("rng"))
@@ -359,7 +401,8 @@ class TrainConfig:
     accumulation: int = 1  # micro-batches per step in each process
     lr: float = 1e-3  # the peak learning rate
     warmup_steps: int = 100
-    min_lr_ratio: float = 0.1  # the last step's rate, as a fraction of the peak
+    # the last step's rate, as a fraction of the peak
+    min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
     eval_every: int = 0  # steps between evaluations; 0: at the end only
@@ -379,13 +422,17 @@ class TrainConfig:
         for name in ("lr", "max_grad_norm"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}={value!r}: it must be a positive number")
+                raise ValueError(
+                    f"{name}={value!r}: it must be a positive number"
+                )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(
                 f"min_lr_ratio={self.min_lr_ratio!r}: it must be in [0, 1]"
             )
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"weight_decay={self.weight_decay!r}: it must be >= 0")
+            raise ValueError(
+                f"weight_decay={self.weight_decay!r}: it must be >= 0"
+            )
 
     def micro_batch_size(self, world_size: int = 1) -> int:
         "Examples per forward pass in each process"
@@ -393,8 +440,8 @@ class TrainConfig:
         if self.batch_size % parts:
             raise ValueError(
                 f"batch_size={self.batch_size} cannot be split evenly into "
-                f"{world_size} process(es) x {self.accumulation} micro-batch(es); "
-                f"choose a multiple of {parts}"
+                f"{world_size} process(es) x {self.accumulation} "
+                f"micro-batch(es); choose a multiple of {parts}"
             )
         return self.batch_size // parts
 
@@ -408,8 +455,8 @@ def world() -> tuple[int, int]:
 
 def init_distributed() -> tuple[int, int]:
     """Join the process group that torchrun describes in the environment (RANK,
-    WORLD_SIZE, MASTER_ADDR, ...): NCCL on CUDA, one GPU per process, gloo on the CPU.
-    -> (rank, world_size); (0, 1) when not started by torchrun"""
+    WORLD_SIZE, MASTER_ADDR, ...): NCCL on CUDA, one GPU per process, gloo on
+    the CPU. -> (rank, world_size); (0, 1) when not started by torchrun"""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return world()
     if torch.cuda.is_available():
@@ -420,21 +467,29 @@ def init_distributed() -> tuple[int, int]:
     return world()
 
 # %% ../book/11b_training.ipynb #c038
-def _check_resumable(state: dict, config: TrainConfig, num_examples: int, folder):
+def _check_resumable(
+    state: dict, config: TrainConfig, num_examples: int, folder
+):
     "A checkpoint continues only the run it came from"
     changeable = {"eval_every", "save_every"}
     stored, asked = state["config"], asdict(config)
-    differ = [k for k in asked if k not in changeable and stored.get(k) != asked[k]]
+    differ = [
+        k for k in asked if k not in changeable and stored.get(k) != asked[k]
+    ]
     if differ:
-        pairs = ", ".join(f"{k}: {stored.get(k)!r} -> {asked[k]!r}" for k in differ)
+        pairs = ", ".join(
+            f"{k}: {stored.get(k)!r} -> {asked[k]!r}" for k in differ
+        )
         raise ValueError(
-            f"cannot resume from {folder}: it was made with other settings ({pairs}); "
-            f"use the same settings, or start a new run in another folder"
+            f"cannot resume from {folder}: it was made with other settings "
+            f"({pairs}); use the same settings, or start a new run in another "
+            "folder"
         )
     if state["num_examples"] != num_examples:
         raise ValueError(
-            f"cannot resume from {folder}: its dataset held {state['num_examples']} "
-            f"examples, this one {num_examples}; the data order would differ"
+            f"cannot resume from {folder}: its dataset held "
+            f"{state['num_examples']} examples, this one {num_examples}; the "
+            "data order would differ"
         )
 
 
@@ -461,18 +516,22 @@ def train(
 
     out_dir: where checkpoints go (out_dir/checkpoints/step-N), every
         config.save_every steps and at the end; None: no checkpoints.
-    resume: continue from the newest checkpoint of out_dir.
-    evaluate: evaluate(model) -> dict of numbers, every config.eval_every steps and at
+    resume: continue from the newest checkpoint of out_dir. evaluate:
+    evaluate(model) -> dict of numbers, every config.eval_every steps and at
         the end (process 0 only), e.g. from `make_evaluator`.
-    processor: saved into each checkpoint, so that it is a complete model folder.
-    device: where the model trains (`autocast_dtype`: bf16, or fp16 with a gradient
+    processor: saved into each checkpoint, so that it is a complete model
+    folder. device: where the model trains (`autocast_dtype`: bf16, or fp16
+    with a gradient
         scaler, on CUDA; fp32 elsewhere).
     on_step: on_step(step, loss) after each step, e.g. to stop a run early.
-    workers: processes that build batches ahead of the loop (0: build each in this
-        process when it is needed); the batches, and so the weights, are the same.
+    workers: processes that build batches ahead of the loop (0: build each in
+    this
+        process when it is needed); the batches, and so the weights, are the
+        same.
     Under torchrun (`init_distributed` called) the model is wrapped in
-    DistributedDataParallel and each process takes its share of every global batch.
-    Returns the history: lists "step", "loss", "lr", "grad_norm" and "eval" (dicts)."""
+    DistributedDataParallel and each process takes its share of every global
+    batch. Returns the history: lists "step", "loss", "lr", "grad_norm" and
+    "eval" (dicts)."""
     rank, world_size = world()
     config.micro_batch_size(world_size)  # checks the split
     device = torch.device(device)
@@ -488,7 +547,9 @@ def train(
     if resume:
         folder = latest_checkpoint(out_dir) if out_dir is not None else None
         if folder is None:
-            raise FileNotFoundError(f"nothing to resume: {out_dir} has no checkpoint")
+            raise FileNotFoundError(
+                f"nothing to resume: {out_dir} has no checkpoint"
+            )
         state = load_checkpoint(folder, model, optimizer, scheduler)
         _check_resumable(state, config, len(dataset), folder)
         start, history = state["step"], state["history"]
@@ -558,7 +619,9 @@ def train(
                 "history": history,
                 "scaler": scaler.state_dict(),
             }
-            save_checkpoint(out_dir, model, optimizer, scheduler, state, processor)
+            save_checkpoint(
+                out_dir, model, optimizer, scheduler, state, processor
+            )
         if on_step is not None:
             on_step(done, loss)
     bar.close()
@@ -567,11 +630,13 @@ def train(
 
 # %% ../book/11b_training.ipynb #45f26bac
 class StepBatches(torch.utils.data.Dataset):
-    """Item `step` -> this process's micro-batches for that optimiser step. A step's
-    batch depends only on (step, seed), so worker processes can build batches ahead
-    of the loop without changing what the model sees."""
+    """Item `step` -> this process's micro-batches for that optimiser step. A
+    step's batch depends only on (step, seed), so worker processes can build
+    batches ahead of the loop without changing what the model sees."""
 
-    def __init__(self, dataset, collate, config, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self, dataset, collate, config, rank: int = 0, world_size: int = 1
+    ):
         self.dataset, self.collate, self.config = dataset, collate, config
         self.rank, self.world_size = rank, world_size
 
@@ -582,7 +647,9 @@ class StepBatches(torch.utils.data.Dataset):
         c = self.config
         indices = global_batch(len(self.dataset), c.batch_size, step, c.seed)
         parts = shard(indices, self.rank, self.world_size, c.accumulation)
-        return [self.collate([self.dataset[i] for i in part]) for part in parts]
+        return [
+            self.collate([self.dataset[i] for i in part]) for part in parts
+        ]
 
 
 def _as_is(item):
@@ -591,7 +658,8 @@ def _as_is(item):
 
 def step_batches(batches: StepBatches, start: int, workers: int = 0):
     """The micro-batches of steps start, start + 1, ...: built in this process
-    (workers=0), or by `workers` processes of a DataLoader, a few steps ahead"""
+    (workers=0), or by `workers` processes of a DataLoader, a few steps ahead
+    """
     steps = range(start, len(batches))
     if workers == 0:
         return (batches[step] for step in steps)
@@ -634,18 +702,25 @@ def predict(
     limit=None,
 ) -> list[dict]:
     """Greedy answers to the first `limit` examples (all if None) ->
-    [{"prompt", "answer", "prediction"}], in the dataset's order. An answer cut at
-    max_new_tokens is graded as it stands: no TruncatedAnswerWarning for it"""
+    [{"prompt", "answer", "prediction"}], in the dataset's order. An answer cut
+    at max_new_tokens is graded as it stands: no TruncatedAnswerWarning for it
+    """
     model.eval()
     n = len(dataset) if limit is None else min(limit, len(dataset))
     rows = []
     for start in range(0, n, batch_size):
-        examples = [dataset[i] for i in range(start, min(start + batch_size, n))]
+        examples = [
+            dataset[i] for i in range(start, min(start + batch_size, n))
+        ]
         images, prompts, answers = (list(column) for column in zip(*examples))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", TruncatedAnswerWarning)
             predictions = answer(
-                model, processor, images, prompts, max_new_tokens=max_new_tokens
+                model,
+                processor,
+                images,
+                prompts,
+                max_new_tokens=max_new_tokens,
             )
         rows += [
             {"prompt": p, "answer": a, "prediction": q}
@@ -673,9 +748,11 @@ def task_of(prompt: str) -> str:
 
 
 def exact_match(predictions: list[str], references: list[str]) -> float:
-    "Share of predictions equal to their reference, surrounding whitespace aside"
+    """Share of predictions equal to their reference, surrounding whitespace
+    aside"""
     same = [
-        p.strip() == r.strip() for p, r in zip(predictions, references, strict=True)
+        p.strip() == r.strip()
+        for p, r in zip(predictions, references, strict=True)
     ]
     return sum(same) / len(same)
 
@@ -691,8 +768,9 @@ def box_iou(a, b) -> float:
 
 
 def match_boxes(predicted: list, true: list) -> list[float]:
-    """[(box, label)] predicted and true -> one IoU per pair matched greedily by IoU
-    within a label (each box used once), plus 0 for each box left over on either side"""
+    """[(box, label)] predicted and true -> one IoU per pair matched greedily
+    by IoU within a label (each box used once), plus 0 for each box left over
+    on either side"""
     pairs = sorted(
         (
             (-box_iou(pb, tb), i, j)
@@ -707,14 +785,18 @@ def match_boxes(predicted: list, true: list) -> list[float]:
             used_p.add(i)
             used_t.add(j)
             ious.append(-negative_iou)
-    return ious + [0.0] * (len(predicted) - len(used_p) + len(true) - len(used_t))
+    return ious + [0.0] * (
+        len(predicted) - len(used_p) + len(true) - len(used_t)
+    )
 
 
 def detection_metrics(predictions: list[str], references: list[str]) -> dict:
     "Mean IoU and share of IoU >= 0.5 over all matched-or-left-over boxes"
     ious = []
     for p, r in zip(predictions, references, strict=True):
-        ious += match_boxes(parse_loc_tokens(p, 1, 1), parse_loc_tokens(r, 1, 1))
+        ious += match_boxes(
+            parse_loc_tokens(p, 1, 1), parse_loc_tokens(r, 1, 1)
+        )
     if not ious:
         return {"mean IoU": float("nan"), "IoU >= 0.5": float("nan")}
     return {
@@ -724,7 +806,8 @@ def detection_metrics(predictions: list[str], references: list[str]) -> dict:
 
 # %% ../book/11b_training.ipynb #c044
 def levenshtein(a: str, b: str) -> int:
-    "Fewest single-character insertions, deletions and substitutions turning a into b"
+    """Fewest single-character insertions, deletions and substitutions turning
+    a into b"""
     previous = list(range(len(b) + 1))  # distances from a[:0] to each b[:j]
     for i, ca in enumerate(a, 1):
         current = [i]
@@ -740,11 +823,15 @@ def levenshtein(a: str, b: str) -> int:
     return previous[-1]
 
 
-def character_error_rate(predictions: list[str], references: list[str]) -> float:
+def character_error_rate(
+    predictions: list[str], references: list[str]
+) -> float:
     "Summed Levenshtein distances / summed reference lengths"
     length = sum(len(r) for r in references)
     if length == 0:
-        raise ValueError("the references are all empty: no characters to err on")
+        raise ValueError(
+            "the references are all empty: no characters to err on"
+        )
     errors = sum(
         levenshtein(p, r) for p, r in zip(predictions, references, strict=True)
     )
@@ -755,8 +842,8 @@ RECEIPT_FIELDS = ("store", "date", "total")
 
 
 def parse_receipt(text: str) -> dict:
-    """The JSON object in `text` (or in its first {...}) with values as strings; {} if
-    there is none"""
+    """The JSON object in `text` (or in its first {...}) with values as
+    strings; {} if there is none"""
     for candidate in (text, *re.findall(r"\{.*\}", text, re.S)):
         try:
             value = json.loads(candidate)
@@ -773,7 +860,9 @@ def receipt_metrics(predictions: list[str], references: list[str]) -> dict:
         (parse_receipt(p), parse_receipt(r))
         for p, r in zip(predictions, references, strict=True)
     ]
-    right = {f: [p.get(f) == r.get(f) for p, r in parsed] for f in RECEIPT_FIELDS}
+    right = {
+        f: [p.get(f) == r.get(f) for p, r in parsed] for f in RECEIPT_FIELDS
+    }
     metrics = {f"{f} accuracy": sum(v) / len(v) for f, v in right.items()}
     all_right = [all(v[i] for v in right.values()) for i in range(len(parsed))]
     metrics["all fields"] = sum(all_right) / len(all_right)
@@ -782,9 +871,9 @@ def receipt_metrics(predictions: list[str], references: list[str]) -> dict:
 
 # %% ../book/11b_training.ipynb #c045
 def compute_metrics(rows: list[dict]) -> dict:
-    """[{"prompt", "answer", "prediction"}] -> {task: {metric: value}}: examples and
-    exact match for every task; box IoUs for detection, the character error rate for
-    OCR, field accuracies for receipts"""
+    """[{"prompt", "answer", "prediction"}] -> {task: {metric: value}}:
+    examples and exact match for every task; box IoUs for detection, the
+    character error rate for OCR, field accuracies for receipts"""
     by_task = {}
     for row in rows:
         by_task.setdefault(task_of(row["prompt"]), []).append(row)
@@ -799,7 +888,9 @@ def compute_metrics(rows: list[dict]) -> dict:
         if task == "detection":
             m |= detection_metrics(predictions, references)
         elif task == "ocr":
-            m["character error rate"] = character_error_rate(predictions, references)
+            m["character error rate"] = character_error_rate(
+                predictions, references
+            )
         elif task == "receipt":
             m |= receipt_metrics(predictions, references)
         metrics[task] = m
@@ -811,7 +902,9 @@ def format_metrics(metrics: dict) -> str:
     lines = [f"{'task':<12} {'metric':<22} {'value':>8}"]
     for task, values in metrics.items():
         for name, value in values.items():
-            shown = f"{value:>8d}" if isinstance(value, int) else f"{value:>8.4f}"
+            shown = (
+                f"{value:>8d}" if isinstance(value, int) else f"{value:>8.4f}"
+            )
             lines.append(f"{task:<12} {name:<22} {shown}")
     return "\n".join(lines)
 
@@ -824,15 +917,16 @@ def make_evaluator(
     max_new_tokens: int = 64,  # a receipt's JSON is about 35 tokens
     device="cpu",
 ):
-    """evaluate(model) -> {"validation loss", "<task> exact match", ...} on `dataset`,
-    for `train`'s periodic evaluation"""
+    """evaluate(model) -> {"validation loss", "<task> exact match", ...} on
+    `dataset`, for `train`'s periodic evaluation"""
 
     def evaluate(model) -> dict:
         loss = validation_loss(model, dataset, collate, batch_size, device)
         rows = predict(model, processor, dataset, batch_size, max_new_tokens)
         tasks = compute_metrics(rows)
         return {"validation loss": loss} | {
-            f"{task} exact match": m["exact match"] for task, m in tasks.items()
+            f"{task} exact match": m["exact match"]
+            for task, m in tasks.items()
         }
 
     return evaluate
@@ -883,7 +977,9 @@ MODEL_SIZES = {
 def model_config(name: str, tokenizer: GemmaTokenizer) -> PaliGemmaConfig:
     "A named size of MODEL_SIZES over `tokenizer`'s vocabulary"
     if name not in MODEL_SIZES:
-        raise ValueError(f"no model size {name!r}; choose one of {sorted(MODEL_SIZES)}")
+        raise ValueError(
+            f"no model size {name!r}; choose one of {sorted(MODEL_SIZES)}"
+        )
     sizes = MODEL_SIZES[name]
     vision = VisionConfig(**sizes["vision"])
     text = TextConfig(vocab_size=len(tokenizer), **sizes["text"])

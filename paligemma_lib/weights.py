@@ -20,32 +20,34 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-from tqdm import tqdm
-
 from .config import PaliGemmaConfig
 from .generation import has_native_bf16, pick_device
 from .paligemma import PaliGemmaForConditionalGeneration
 from .processing import read_json, resolve_model_path
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
 
-__doc__ = """Checkpoints (chapter 9): `load_pretrained` reads a PaliGemma folder
-(config.json and safetensors weights, one file or shards, in the key spellings of
-transformers 4 and 5) and says exactly what is wrong with a broken one;
-`save_pretrained` writes a folder that transformers and this library load."""
+__doc__ = """Checkpoints (chapter 9): `load_pretrained` reads a PaliGemma
+folder (config.json and safetensors weights, one file or shards, in the key
+spellings of transformers 4 and 5) and says exactly what is wrong with a broken
+one; `save_pretrained` writes a folder that transformers and this library load.
+"""
 
 # %% ../book/09_loading_real_weights.ipynb #c014
 class CheckpointError(ValueError):
-    "A checkpoint that cannot be loaded as asked: the message names the file or tensor"
+    """A checkpoint that cannot be loaded as asked: the message names the file
+    or tensor"""
 
 
 def read_safetensors_header(path) -> dict:
-    """The JSON header of a .safetensors file: tensor name -> {'dtype', 'shape',
-    'data_offsets'} (and '__metadata__')"""
+    """The JSON header of a .safetensors file: tensor name -> {'dtype',
+    'shape', 'data_offsets'} (and '__metadata__')"""
     path = Path(path)
     file_size = path.stat().st_size
     with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")  # the header's length in bytes
+        # the header's length in bytes
+        size = int.from_bytes(f.read(8), "little")
         header = f.read(size) if 0 < size <= file_size - 8 else b""
     try:
         header = json.loads(header)
@@ -59,8 +61,8 @@ def read_safetensors_header(path) -> dict:
         )
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         raise CheckpointError(
-            f"{path} is not a readable safetensors file (its header is damaged); "
-            f"is the download complete?"
+            f"{path} is not a readable safetensors file (its header is "
+            "damaged); is the download complete?"
         ) from None
     promised = 8 + size + data_end
     if promised > file_size:
@@ -71,26 +73,29 @@ def read_safetensors_header(path) -> dict:
         )
     if promised < file_size:
         raise CheckpointError(
-            f"{path} has {file_size - promised} bytes after the data its header "
-            f"describes; "
-            f"the file is damaged: download it again"
+            f"{path} has {file_size - promised} bytes after the data its "
+            "header describes; the file is damaged: download it again"
         )
     return header
 
 # %% ../book/09_loading_real_weights.ipynb #c021
-# prefix in a file or state dict -> prefix of our name (the Hub files' spelling)
+# prefix in a file or state dict -> prefix of our name (the Hub files'
+# spelling)
 KEY_MAP = {
     # Hub files (transformers 4.x)
     "vision_tower.vision_model.": "vision_tower.vision_model.",
-    "vision_tower.": "vision_tower.vision_model.",  # files saved by transformers 5
+    # files saved by transformers 5
+    "vision_tower.": "vision_tower.vision_model.",
     # transformers 4.5x, in memory
     "model.vision_tower.vision_model.": "vision_tower.vision_model.",
-    "model.vision_tower.": "vision_tower.vision_model.",  # transformers 5, in memory
+    # transformers 5, in memory
+    "model.vision_tower.": "vision_tower.vision_model.",
     "multi_modal_projector.": "multi_modal_projector.",
     "model.multi_modal_projector.": "multi_modal_projector.",
     # Hub files and transformers 5 files
     "language_model.model.": "language_model.model.",
-    "model.language_model.": "language_model.model.",  # transformers 5, in memory
+    # transformers 5, in memory
+    "model.language_model.": "language_model.model.",
     "language_model.lm_head.": "language_model.lm_head.",
     "lm_head.": "language_model.lm_head.",  # transformers 5, in memory
 }
@@ -100,8 +105,11 @@ LM_HEAD = "language_model.lm_head.weight"
 
 
 def our_name(key: str) -> str | None:
-    "A tensor name in any spelling of KEY_MAP -> our parameter name; None if unknown"
-    prefix = max((p for p in KEY_MAP if key.startswith(p)), key=len, default=None)
+    """A tensor name in any spelling of KEY_MAP -> our parameter name; None if
+    unknown"""
+    prefix = max(
+        (p for p in KEY_MAP if key.startswith(p)), key=len, default=None
+    )
     return None if prefix is None else KEY_MAP[prefix] + key[len(prefix) :]
 
 # %% ../book/09_loading_real_weights.ipynb #c024
@@ -109,7 +117,8 @@ SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
 
 def read_checkpoint_json(path: Path) -> dict:
-    "A checkpoint's JSON file as a dict; a file that is not a JSON object is an error"
+    """A checkpoint's JSON file as a dict; a file that is not a JSON object is
+    an error"""
     try:
         return read_json(path)
     except ValueError as e:
@@ -123,16 +132,18 @@ def _weight_map(index: Path) -> dict:
         isinstance(v, str) for v in weight_map.values()
     ):
         raise CheckpointError(
-            f'{index} has no "weight_map" object of tensor name -> shard file name '
-            f"(found {type(weight_map).__name__}); is it a safetensors index?"
+            f'{index} has no "weight_map" object of tensor name -> shard '
+            f"file name (found {type(weight_map).__name__}); "
+            "is it a safetensors index?"
         )
     return weight_map
 
 
 def checkpoint_files(folder) -> list[Path]:
-    """The safetensors files of a folder (or of a shipped model's name, "nano"):
-    model.safetensors, or its index's shards"""
-    folder = resolve_model_path(folder)  # a missing folder: an error naming "nano"
+    """The safetensors files of a folder (or of a shipped model's name,
+    "nano"): model.safetensors, or its index's shards"""
+    # a missing folder: an error naming "nano"
+    folder = resolve_model_path(folder)
     if not folder.is_dir():
         raise NotADirectoryError(
             f"{folder} is a file; pass the checkpoint folder "
@@ -156,10 +167,9 @@ def checkpoint_files(folder) -> list[Path]:
         missing = [s for s in shards if not (folder / s).is_file()]
         if not shards or missing:
             raise CheckpointError(
-                f"{index} lists {len(shards)} shard files but {len(missing)} of them "
-                f"are not in "
-                f"{folder} (e.g. {missing[:1] or 'none listed'}); "
-                f"is the download complete?"
+                f"{index} lists {len(shards)} shard files but {len(missing)} "
+                f"of them are not in {folder} (e.g. "
+                f"{missing[:1] or 'none listed'}); is the download complete?"
             )
         return [folder / s for s in shards]
     pickles = sorted(
@@ -167,12 +177,11 @@ def checkpoint_files(folder) -> list[Path]:
     )
     if pickles:
         raise CheckpointError(
-            f"{folder} holds {pickles[0]}, a pickle checkpoint; only safetensors are "
-            f"loaded (unpickling runs code "
-            f"from the file). Convert it once with transformers: "
-            f"PaliGemmaForConditionalGeneration."
-            f"from_pretrained(folder).save_pretrained(new_folder) "
-            f"writes model.safetensors"
+            f"{folder} holds {pickles[0]}, a pickle checkpoint; only "
+            "safetensors are loaded (unpickling runs code from the file). "
+            "Convert it once with transformers: "
+            "PaliGemmaForConditionalGeneration.from_pretrained(folder)"
+            ".save_pretrained(new_folder) writes model.safetensors"
         )
     raise CheckpointError(
         f"{folder} has a config.json but no {SINGLE_FILE} or {INDEX_FILE}; "
@@ -181,8 +190,8 @@ def checkpoint_files(folder) -> list[Path]:
 
 # %% ../book/09_loading_real_weights.ipynb #c027
 def stored_tensors(files: list[Path]) -> dict:
-    """Our name -> (file, name in the file, shape, dtype) for every tensor of the files,
-    read from the headers only"""
+    """Our name -> (file, name in the file, shape, dtype) for every tensor of
+    the files, read from the headers only"""
     stored, unknown = {}, []
     for file in files:
         for key, info in read_safetensors_header(file).items():
@@ -194,30 +203,35 @@ def stored_tensors(files: list[Path]) -> dict:
             elif name in stored:
                 raise CheckpointError(
                     f"{key} in {file.name} and {stored[name][1]} in "
-                    f"{stored[name][0].name} are "
-                    f"two spellings of {name}; a checkpoint holds each tensor once"
+                    f"{stored[name][0].name} are two spellings of {name}; a "
+                    "checkpoint holds each tensor once"
                 )
             else:
                 stored[name] = (file, key, tuple(info["shape"]), info["dtype"])
     if unknown:
         raise CheckpointError(
-            f"the checkpoint holds {len(unknown)} tensors that are not part of "
-            f"PaliGemma, e.g. "
-            f"{unknown[0]}; is this a PaliGemma checkpoint?"
+            f"the checkpoint holds {len(unknown)} tensors that are not part "
+            f"of PaliGemma, e.g. {unknown[0]}; is this a PaliGemma checkpoint?"
         )
     return stored
 
 
 def _layer_count(names, stack: str) -> int:
     return len(
-        {m.group(1) for n in names if (m := re.match(re.escape(stack) + r"(\d+)\.", n))}
+        {
+            m.group(1)
+            for n in names
+            if (m := re.match(re.escape(stack) + r"(\d+)\.", n))
+        }
     )
 
 
 def _missing_message(name: str, stored: dict, config: PaliGemmaConfig) -> str:
     layered = re.match(r"(.*\.layers\.)\d+\.", name)
     if not layered:
-        return f"checkpoint has no tensor for {name}; is the download complete?"
+        return (
+            f"checkpoint has no tensor for {name}; is the download complete?"
+        )
     stack = layered.group(1)
     expected = (
         config.text.num_hidden_layers
@@ -225,29 +239,33 @@ def _missing_message(name: str, stored: dict, config: PaliGemmaConfig) -> str:
         else config.vision.num_hidden_layers
     )
     return (
-        f"checkpoint has no tensor for {name} "
-        f"({expected} layers expected by config.json, "
-        f"the files hold {_layer_count(stored, stack)}); is the download complete?"
+        f"checkpoint has no tensor for {name} ({expected} layers expected by "
+        f"config.json, the files hold {_layer_count(stored, stack)}); is the "
+        "download complete?"
     )
 
 
 def check_tensors(stored: dict, model: PaliGemmaForConditionalGeneration):
-    "Raise a CheckpointError naming the first missing, unexpected or misshapen tensor"
+    """Raise a CheckpointError naming the first missing, unexpected or
+    misshapen tensor"""
     expected = {
         name: tuple(p.shape) for name, p in model.named_parameters()
     }  # the tied LM head appears once
     missing = [name for name in expected if name not in stored]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(_missing_message(missing[0], stored, model.config) + more)
-    unexpected = [name for name in stored if name not in expected and name != LM_HEAD]
+        raise CheckpointError(
+            _missing_message(missing[0], stored, model.config) + more
+        )
+    unexpected = [
+        name for name in stored if name not in expected and name != LM_HEAD
+    ]
     if unexpected:
         file, key = stored[unexpected[0]][:2]
         raise CheckpointError(
-            f"checkpoint tensor {key} (in {file.name}) has no place in the model "
-            f"config.json "
-            f"describes ({len(unexpected)} such tensors); "
-            f"do config.json and the weights belong together?"
+            f"checkpoint tensor {key} (in {file.name}) has no place in the "
+            f"model config.json describes ({len(unexpected)} such tensors); "
+            "do config.json and the weights belong together?"
         )
     expected[LM_HEAD] = expected[EMBEDDING]
     for name, (file, key, shape, _) in stored.items():
@@ -268,12 +286,17 @@ DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
 }
-_STORED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_STORED_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+}
 
 
 def resolve_dtype(dtype, stored_dtype: str, device=None) -> torch.dtype:
-    """The dtype to load in: `dtype` (a torch.dtype or a name in DTYPES), or when it is
-    None the stored one, except bfloat16 -> float32 on a GPU without native bfloat16"""
+    """The dtype to load in: `dtype` (a torch.dtype or a name in DTYPES), or
+    when it is None the stored one, except bfloat16 -> float32 on a GPU without
+    native bfloat16"""
     if dtype is None:
         if stored_dtype not in _STORED_DTYPES:
             raise CheckpointError(
@@ -287,13 +310,16 @@ def resolve_dtype(dtype, stored_dtype: str, device=None) -> torch.dtype:
     if isinstance(dtype, str):
         dtype = DTYPES.get(dtype.removeprefix("torch."), dtype)
     if dtype not in DTYPES.values():
-        raise ValueError(f"dtype {dtype!r}: PaliGemma loads in one of {sorted(DTYPES)}")
+        raise ValueError(
+            f"dtype {dtype!r}: PaliGemma loads in one of {sorted(DTYPES)}"
+        )
     return dtype
 
 
 def resolve_device(device) -> torch.device:
-    """None -> cpu; 'auto' -> `pick_device`'s (cuda if available, else cpu; cpu:0
-    while the CPU rehearses a T4, chapter 8); else as torch.device reads it"""
+    """None -> cpu; 'auto' -> `pick_device`'s (cuda if available, else cpu;
+    cpu:0 while the CPU rehearses a T4, chapter 8); else as torch.device reads
+    it"""
     if device is None:
         return torch.device("cpu")
     if device == "auto":
@@ -317,27 +343,30 @@ POOLING_HEAD = "vision_tower.vision_model.head."
 
 
 def skip_pooling_head(stored: dict, hf_config: dict) -> dict:
-    """`stored` without the SigLIP pooling head's tensors, with a warning naming them,
-    when config.json asks for the head (vision_use_head, true by default in
-    transformers). PaliGemma passes every patch's vector on and never pools."""
+    """`stored` without the SigLIP pooling head's tensors, with a warning
+    naming them, when config.json asks for the head (vision_use_head, true by
+    default in transformers). PaliGemma passes every patch's vector on and
+    never pools."""
     head = sorted(name for name in stored if name.startswith(POOLING_HEAD))
     vision = hf_config.get("vision_config")
     wanted = isinstance(vision, dict) and vision.get("vision_use_head", True)
-    if not head or not wanted:  # head tensors the config does not ask for: an error
+    # head tensors the config does not ask for: an error
+    if not head or not wanted:
         return stored  # later, in check_tensors
     parts = ", ".join(name.removeprefix(POOLING_HEAD) for name in head)
     warnings.warn(
         f"ignoring the {len(head)} tensors of the vision tower's pooling head "
         f"({POOLING_HEAD}{{{parts}}}): config.json sets vision_use_head, but "
-        f"PaliGemma feeds the language model every patch and never uses the head",
+        "PaliGemma feeds the language model every patch and never uses the "
+        "head",
         stacklevel=3,
     )
     return {name: v for name, v in stored.items() if name not in head}
 
 
 def check_tied_head(head: tuple, embedding: tuple):
-    """A stored LM head (file, key, shape, dtype) must equal the embedding table; both
-    are compared as the files store them"""
+    """A stored LM head (file, key, shape, dtype) must equal the embedding
+    table; both are compared as the files store them"""
 
     def as_stored(file, key, *_):
         with safe_open(file, framework="pt") as f:
@@ -349,16 +378,20 @@ def check_tied_head(head: tuple, embedding: tuple):
         as_stored(*head), as_stored(*embedding)
     ):
         raise CheckpointError(
-            f"the checkpoint's {head[1]} differs from its embedding table; this model "
-            f"ties the two (as PaliGemma does) and cannot hold a separate LM head"
+            f"the checkpoint's {head[1]} differs from its embedding table; "
+            "this model ties the two (as PaliGemma does) and cannot hold a "
+            "separate LM head"
         )
 
 
 def read_tensors(
-    stored: dict, dtype: torch.dtype, device: torch.device, progress: bool = False
+    stored: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = False,
 ) -> dict:
-    """Our name -> tensor in `dtype` on `device`; without a conversion the tensor is a
-    view of the memory-mapped file"""
+    """Our name -> tensor in `dtype` on `device`; without a conversion the
+    tensor is a view of the memory-mapped file"""
     by_file = {}
     for name, (file, key, *_) in stored.items():
         by_file.setdefault(file, []).append((name, key))
@@ -374,7 +407,9 @@ def read_tensors(
         for file, names in by_file.items():
             with safe_open(file, framework="pt") as f:
                 for name, key in names:
-                    state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+                    state[name] = f.get_tensor(key).to(
+                        device=device, dtype=dtype
+                    )
             bar.update(file.stat().st_size)
     return state
 
@@ -385,16 +420,17 @@ QUANTIZE = (None, "int8")  # load_pretrained's choices
 def load_pretrained(
     path, dtype=None, device=None, progress: bool | None = None, quantize=None
 ) -> PaliGemmaForConditionalGeneration:
-    """A PaliGemma checkpoint folder (config.json + safetensors, any key spelling of
-    KEY_MAP), or a shipped model's name ("nano"; a local folder of that name wins) ->
-    our model, in eval mode. dtype: None (as stored; bf16 becomes fp32 on a GPU without
-    native bf16), a torch.dtype or 'bf16'/'fp16'/'fp32'; device: None (cpu), 'auto' or
-    a device name; quantize: None, or "int8" for the decoder's Linear weights in int8
-    (chapter 8.1)"""
+    """A PaliGemma checkpoint folder (config.json + safetensors, any key
+    spelling of KEY_MAP), or a shipped model's name ("nano"; a local folder of
+    that name wins) -> our model, in eval mode. dtype: None (as stored; bf16
+    becomes fp32 on a GPU without native bf16), a torch.dtype or
+    'bf16'/'fp16'/'fp32'; device: None (cpu), 'auto' or a device name;
+    quantize: None, or "int8" for the decoder's Linear weights in int8 (chapter
+    8.1)"""
     if quantize not in QUANTIZE:
         raise ValueError(
-            f"quantize={quantize!r}: choose None (the weights as stored) or 'int8' "
-            f"(the decoder layers' Linear weights in int8, chapter 8.1)"
+            f"quantize={quantize!r}: choose None (the weights as stored) or "
+            "'int8' (the decoder layers' Linear weights in int8, chapter 8.1)"
         )
     path = resolve_model_path(path)
     files = checkpoint_files(path)
@@ -420,7 +456,8 @@ def load_pretrained(
     state = read_tensors(stored, dtype, device, progress)
     state[LM_HEAD] = state[EMBEDDING]
     model.load_state_dict(state, strict=True, assign=True)
-    model.language_model.tie_weights()  # assign=True gave lm_head its own Parameter
+    # assign=True gave lm_head its own Parameter
+    model.language_model.tie_weights()
     if quantize == "int8":
         from paligemma_lib.quantize import quantize_int8
 
@@ -428,8 +465,11 @@ def load_pretrained(
     return model.eval()
 
 # %% ../book/09_loading_real_weights.ipynb #c039c
-def write_safetensors(tensors: dict, path, metadata: dict | None = None) -> Path:
-    "save_file, then the mode a new file gets from open() (0666 less the umask)"
+def write_safetensors(
+    tensors: dict, path, metadata: dict | None = None
+) -> Path:
+    """save_file, then the mode a new file gets from open() (0666 less the
+    umask)"""
     path = Path(path)
     save_file(tensors, path, metadata=metadata)
     umask = os.umask(0)  # reading the umask sets it: put it back at once
@@ -441,21 +481,25 @@ def write_safetensors(tensors: dict, path, metadata: dict | None = None) -> Path
 def save_pretrained(
     model: PaliGemmaForConditionalGeneration, folder, processor=None
 ) -> Path:
-    """Write config.json and model.safetensors (Hub key names, tied LM head once) into
-    `folder`, as transformers reads them; with `processor`, its tokenizer and image
-    settings too, so that the folder is complete for `python -m paligemma_lib`.
-    Everything is written into a temporary folder first, then moved in: a failure
-    leaves the folder as it was. Other files in `folder` are kept."""
+    """Write config.json and model.safetensors (Hub key names, tied LM head
+    once) into `folder`, as transformers reads them; with `processor`, its
+    tokenizer and image settings too, so that the folder is complete for
+    `python -m paligemma_lib`. Everything is written into a temporary folder
+    first, then moved in: a failure leaves the folder as it was. Other files in
+    `folder` are kept."""
     folder = Path(folder)
     int8 = [n for n, b in model.named_buffers() if n.endswith("weight_int8")]
-    if int8:  # save_pretrained writes parameters: the int8 buffers would be lost
+    # save_pretrained writes parameters: the int8 buffers would be lost
+    if int8:
         raise ValueError(
-            f"the model's decoder is quantised to int8 ({len(int8)} layers, e.g. "
-            f"{int8[0]}): save the float model, and quantise when loading "
-            f"(load_pretrained(..., quantize='int8'))"
+            f"the model's decoder is quantised to int8 ({len(int8)} layers, "
+            f"e.g. {int8[0]}): save the float model, and quantise when "
+            "loading (load_pretrained(..., quantize='int8'))"
         )
     if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"{folder} is a file; save_pretrained writes a folder")
+        raise NotADirectoryError(
+            f"{folder} is a file; save_pretrained writes a folder"
+        )
     if (folder / INDEX_FILE).exists():
         raise CheckpointError(
             f"{folder} holds a sharded checkpoint ({INDEX_FILE}); "
@@ -465,16 +509,21 @@ def save_pretrained(
     folder.parent.mkdir(parents=True, exist_ok=True)
     # next to the target: the same file system, so moving a file in is a rename
     staging = folder.parent / f".{folder.name}.saving-{secrets.token_hex(4)}"
-    staging.mkdir()  # with the usual permissions (mkdtemp's are the owner's only)
+    # with the usual permissions (mkdtemp's are the owner's only)
+    staging.mkdir()
     try:
         state = {
             name: p.detach().to("cpu").contiguous()
             for name, p in model.named_parameters()
         }  # no LM head: tied
         dtype = str(state[EMBEDDING].dtype).removeprefix("torch.")
-        write_safetensors(state, staging / SINGLE_FILE, metadata={"format": "pt"})
+        write_safetensors(
+            state, staging / SINGLE_FILE, metadata={"format": "pt"}
+        )
         config = {**model.config.to_hf(), "dtype": dtype}
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (staging / "config.json").write_text(
+            json.dumps(config, indent=2) + "\n"
+        )
         if processor is not None:
             processor.save_pretrained(staging)
         _move_in(staging, folder)
@@ -484,8 +533,8 @@ def save_pretrained(
 
 
 def _move_in(staging: Path, folder: Path):
-    """Move every file of `staging` into `folder` by renames, the old versions set
-    aside first and put back if a rename fails"""
+    """Move every file of `staging` into `folder` by renames, the old versions
+    set aside first and put back if a rename fails"""
     if not folder.exists():
         staging.rename(folder)  # one atomic step
         return
@@ -496,7 +545,8 @@ def _move_in(staging: Path, folder: Path):
     try:
         for name in names:
             if (folder / name).exists():
-                os.replace(folder / name, aside / name)  # an open mmap keeps its bytes
+                # an open mmap keeps its bytes
+                os.replace(folder / name, aside / name)
                 moved_aside.append(name)
             os.replace(staging / name, folder / name)
             moved_in.append(name)
@@ -509,8 +559,11 @@ def _move_in(staging: Path, folder: Path):
 
 # %% ../book/09_loading_real_weights.ipynb #c044
 def hub_cache() -> Path:
-    "Where huggingface_hub keeps downloads: $HF_HUB_CACHE, $HF_HOME/hub or the default"
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    """Where huggingface_hub keeps downloads: $HF_HUB_CACHE, $HF_HOME/hub or
+    the default"""
+    home = Path(
+        os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")
+    )
     return Path(os.environ.get("HF_HUB_CACHE", home / "hub"))
 
 
@@ -520,13 +573,20 @@ def _complete(snapshot: Path) -> bool:
     return all((snapshot / name).is_file() for name in names)
 
 
-def cached_snapshots(cache: Path, pattern: str = "models--google--paligemma-3b-*"):
-    """Complete snapshots of the repositories matching `pattern` in a Hub cache: the
-    one refs/bfloat16 names first, then refs/main's, then the others"""
+def cached_snapshots(
+    cache: Path, pattern: str = "models--google--paligemma-3b-*"
+):
+    """Complete snapshots of the repositories matching `pattern` in a Hub
+    cache: the one refs/bfloat16 names first, then refs/main's, then the others
+    """
     found = []
     for repo in sorted(Path(cache).glob(pattern)):
-        refs = {r.name: r.read_text().strip() for r in (repo / "refs").glob("*")}
-        named = [refs[branch] for branch in ("bfloat16", "main") if branch in refs]
+        refs = {
+            r.name: r.read_text().strip() for r in (repo / "refs").glob("*")
+        }
+        named = [
+            refs[branch] for branch in ("bfloat16", "main") if branch in refs
+        ]
         others = sorted(p.name for p in (repo / "snapshots").glob("*"))
         for commit in dict.fromkeys(named + others):  # in order, once each
             snapshot = repo / "snapshots" / commit
@@ -536,17 +596,20 @@ def cached_snapshots(cache: Path, pattern: str = "models--google--paligemma-3b-*
 
 
 def find_real_checkpoint(variable: str = "PALIGEMMA_WEIGHTS") -> Path | None:
-    """The folder named by $PALIGEMMA_WEIGHTS, else a snapshot in the Hugging Face
-    cache: google/paligemma-3b-*, then google/paligemma2-3b-*, then any other
-    google/paligemma2-* (10B, 28B); else None"""
+    """The folder named by $PALIGEMMA_WEIGHTS, else a snapshot in the Hugging
+    Face cache: google/paligemma-3b-*, then google/paligemma2-3b-*, then any
+    other google/paligemma2-* (10B, 28B); else None"""
     if os.environ.get(variable):
         folder = Path(os.environ[variable]).expanduser()
         checkpoint_files(folder)  # a clear error now if it is not a checkpoint
         return folder
-    patterns = ["paligemma-3b-*", "paligemma2-3b-*", "paligemma2-*"]  # smallest first
+    # smallest first
+    patterns = ["paligemma-3b-*", "paligemma2-3b-*", "paligemma2-*"]
     snapshots = [
         snapshot
         for pattern in patterns
-        for snapshot in cached_snapshots(hub_cache(), f"models--google--{pattern}")
+        for snapshot in cached_snapshots(
+            hub_cache(), f"models--google--{pattern}"
+        )
     ]
     return snapshots[0] if snapshots else None

@@ -50,7 +50,12 @@ def box(ax, x, y, w, h, title, detail, color):
 def arrow(ax, start, end, label=None):
     ax.add_patch(
         FancyArrowPatch(
-            start, end, arrowstyle="-|>", mutation_scale=14, lw=1.2, color="#333"
+            start,
+            end,
+            arrowstyle="-|>",
+            mutation_scale=14,
+            lw=1.2,
+            color="#333",
         )
     )
     if label:
@@ -72,7 +77,16 @@ def main():
 
     # Row 1: the image side.
     y1, h = 3.9, 1.1
-    box(ax, 0.1, y1, 1.9, h, "image", "any size and mode\n-> RGB 224 x 224", DATA)
+    box(
+        ax,
+        0.1,
+        y1,
+        1.9,
+        h,
+        "image",
+        "any size and mode\n-> RGB 224 x 224",
+        DATA,
+    )
     box(
         ax,
         2.5,
@@ -94,7 +108,16 @@ def main():
         VISION,
     )
     box(ax, 8.0, y1, 1.7, h, "projector", "Linear 1152 -> 2048\n(ch. 7)", PROJ)
-    box(ax, 10.2, y1, 1.7, h, "image tokens", "256 vectors\nof width 2048", PROJ)
+    box(
+        ax,
+        10.2,
+        y1,
+        1.7,
+        h,
+        "image tokens",
+        "256 vectors\nof width 2048",
+        PROJ,
+    )
     for a, b in [(2.0, 2.5), (4.5, 5.0), (7.5, 8.0), (9.7, 10.2)]:
         arrow(ax, (a, y1 + h / 2), (b, y1 + h / 2))
 
@@ -121,11 +144,19 @@ def main():
                 lw=0.8,
             )
         )
-        ax.text(x + w / 2, y2 + 0.3, text, ha="center", va="center", fontsize=8.5)
+        ax.text(
+            x + w / 2, y2 + 0.3, text, ha="center", va="center", fontsize=8.5
+        )
         starts.append(x)
         x += w
     ax.text(
-        0.85, y2 + 0.3, "sequence", ha="right", va="center", fontsize=9, weight="bold"
+        0.85,
+        y2 + 0.3,
+        "sequence",
+        ha="right",
+        va="center",
+        fontsize=9,
+        weight="bold",
     )
     arrow(
         ax,
@@ -175,7 +206,16 @@ def main():
         "18 layers, width 2048, 8 query heads, 1 KV head\n(ch. 4-5, 7-8)",
         TEXT,
     )
-    box(ax, 6.6, y3, 2.4, 1.05, "next-token logits", "over 257,216 tokens", TEXT)
+    box(
+        ax,
+        6.6,
+        y3,
+        2.4,
+        1.05,
+        "next-token logits",
+        "over 257,216 tokens",
+        TEXT,
+    )
     box(
         ax,
         9.6,
