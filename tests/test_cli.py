@@ -315,30 +315,43 @@ def test_draw_over_the_input_image_is_refused(checkpoint, tmp_path):
     assert image.read_bytes() == before
 
 
-@pytest.mark.parametrize("phase, delay", [("importing", 0.4), ("generating", 4.0)])
-def test_ctrl_c_exits_130_without_a_traceback(checkpoint, phase, delay):
-    """SIGINT while the command imports torch, and later while it generates 3000 tokens
-    (about 4 s of decoding after 3 s of start-up on two cores)"""
+# The command run as `python -m paligemma_lib`, but saying on stderr when it starts
+# answering, so that the test signals it mid-generation on any machine, however fast
+ANNOUNCING = """
+import runpy, sys
+import paligemma_lib.generation as generation
+real_answer = generation.answer
+def answer(*args, **kwargs):
+    print("answering", file=sys.stderr, flush=True)
+    return real_answer(*args, **kwargs)
+generation.answer = answer
+sys.argv = ["paligemma_lib", *sys.argv[1:]]
+runpy.run_module("paligemma_lib", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("phase", ["importing", "generating"])
+def test_ctrl_c_exits_130_without_a_traceback(checkpoint, phase):
+    """SIGINT while the command imports torch (0.4 s in; the imports take
+    seconds), and later while it generates 3000 tokens (sent when it says it
+    starts answering)"""
+    args = ["generate", "--model", checkpoint / "model"]
+    args += ["--image", checkpoint / "image.png", "--prompt", "caption en"]
+    args += ["--max-new-tokens", "3000"]
+    if phase == "importing":
+        command = [sys.executable, "-m", "paligemma_lib", *args]
+    else:
+        command = [sys.executable, "-c", ANNOUNCING, *args]
     child = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "paligemma_lib",
-            "generate",
-            "--model",
-            checkpoint / "model",
-            "--image",
-            checkpoint / "image.png",
-            "--prompt",
-            "caption en",
-            "--max-new-tokens",
-            "3000",
-        ],
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(delay)
+    if phase == "importing":
+        time.sleep(0.4)
+    else:
+        assert child.stderr.readline() == "answering\n"
     assert child.poll() is None, f"the command ended before Ctrl-C ({phase})"
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=60)
