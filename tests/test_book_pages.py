@@ -1,9 +1,11 @@
 """The rendered book in the system Chromium, after `jupyter-book build --all -W .`:
 every chapter's page loads with no broken image, its maths rendered as SVG, no
-traceback in a cell's output, no code block wider than its column, and none of the
-notebook's noise (issue 29): no stderr box (progress bars, warnings), no path of the
-machine that built it, no object repr, no nbdev `#| default_exp` cell. One screenshot
-per chapter, in _build/screenshots/. Run by .ci/run after the build: pytest -m book."""
+traceback in a cell's output, and what a reader sees (issue 29): at 1280 px no code
+or output box wider than its column and no figure shown below 0.7 of its natural
+width; at 390 px (a phone) no page wider than the window; none of the notebook's
+noise: no stderr box (progress bars, warnings), no path of the machine that built
+it, no object repr, no nbdev `#| default_exp` cell. Screenshots of every page at
+both widths, in _build/screenshots/. Run by .ci/run after the build: pytest -m book."""
 
 from pathlib import Path
 
@@ -65,19 +67,37 @@ STDERR = """() => [...document.querySelectorAll('.cell_output .stderr, .output.s
 ARTICLE = "() => (document.querySelector('article') || document.body).innerText"
 # in an output: a temporary folder, the checkout that built the book, an object's repr
 MACHINE = ("/tmp/", str(ROOT), " at 0x", "ipykernel_")
-WIDE_CODE = """() => [...document.querySelectorAll('div.highlight pre')]
-    .filter(pre => !pre.closest('.cell_output') && pre.clientWidth > 0)
+# code and output boxes that scroll sideways: their longest line
+WIDE_BOXES = """() => [...document.querySelectorAll('article pre')]
+    .filter(pre => pre.clientWidth > 0)
     .filter(pre => pre.scrollWidth > pre.clientWidth + 1)
     .map(pre => pre.innerText.split('\\n')
         .reduce((a, b) => (a.length > b.length ? a : b)))"""
+# figures shown below 0.7 of their natural width: their text shrinks with them
+SHRUNK_IMAGES = """() => [...document.querySelectorAll('article img')]
+    .filter(img => img.naturalWidth > 0 && img.clientWidth > 0)
+    .filter(img => img.clientWidth < 0.7 * img.naturalWidth)
+    .map(img => `${img.getAttribute('src').slice(-60)}: ${img.naturalWidth} px `
+        + `shown at ${img.clientWidth}`)"""
+# the search fields and buttons a reader sees: one, the sidebar's (or the
+# header's button on a phone, where the sidebar is folded)
+SEARCH_BOXES = """() => [...document.querySelectorAll(
+        '.search-button-field, .search-button')]
+    .filter(el => el.getBoundingClientRect().width > 0).length"""
+# at a phone's width: the page itself must not scroll sideways
+PAGE_WIDTH = "() => document.documentElement.scrollWidth"
+WIDEST = """() => [...document.querySelectorAll('article *')]
+    .filter(el => el.getBoundingClientRect().right > window.innerWidth + 1)
+    .filter(el => !el.closest('pre, .highlight, .cell_output, mjx-container'))
+    .slice(0, 5).map(el => el.tagName + ': ' + el.textContent.slice(0, 60))"""
 
 
 @pytest.mark.parametrize("chapter", chapters(), ids=lambda c: Path(c).name)
 def test_chapter_page(browser, chapter):
     path = HTML / f"{chapter}.html"
     assert path.is_file(), f"{path} was not built"
-    # 1440 px, a laptop's width: the column holds the book's 88-character code lines
-    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    # 1280 px, a laptop's width: the column holds the book's 79-character code
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
     outside = block_outside(page, ("file://", "data:"))
     page.goto(path.as_uri())
     page.evaluate(TYPESET)
@@ -95,6 +115,23 @@ def test_chapter_page(browser, chapter):
             assert trace not in output, f"{trace!r} in an output: {output[:300]}"
     assert page.evaluate(STDERR) == [], "stderr boxes (warnings, progress bars)"
     assert "#| default_exp" not in page.evaluate(ARTICLE), "nbdev's cell shown"
-    assert page.evaluate(WIDE_CODE) == [], "code lines wider than the column"
+    assert page.evaluate(WIDE_BOXES) == [], "code or output wider than its box"
+    assert page.evaluate(SHRUNK_IMAGES) == [], "figures shrunk below 0.7"
+    assert page.evaluate(SEARCH_BOXES) == 1, "one search box"
+    assert outside == [], f"the page asked the network for {outside}"
+    page.close()
+
+
+@pytest.mark.parametrize("chapter", chapters(), ids=lambda c: Path(c).name)
+def test_chapter_page_on_a_phone(browser, chapter):
+    "At 390 px, a phone's width, the page is no wider than the window"
+    page = browser.new_page(viewport={"width": 390, "height": 844})
+    outside = block_outside(page, ("file://", "data:"))
+    page.goto((HTML / f"{chapter}.html").as_uri())
+    page.evaluate(TYPESET)
+    page.screenshot(path=SCREENSHOTS / f"phone_{Path(chapter).name}.png")
+    width = page.evaluate(PAGE_WIDTH)
+    assert width <= 390, f"{width} px wide: {page.evaluate(WIDEST)}"
+    assert page.evaluate(SEARCH_BOXES) == 1, "one search button"
     assert outside == [], f"the page asked the network for {outside}"
     page.close()
