@@ -1,13 +1,15 @@
 # Hand-written Gradio shell, not exported from a notebook: it lays out the page.
-__doc__ = """The demo (chapter 13): `python -m paligemma_lib demo`, or from Python
+__doc__ = """The demo (chapter 13): `python -m paligemma_lib demo`, or from
+Python
 
-    from paligemma_lib.app import build_app, launch
-    launch(build_app(model, processor, adapter="receipts"), port=7860)
+    from paligemma_lib.app import build_app, launch launch(build_app(model,
+    processor, adapter="receipts"), port=7860)
 
-The model logic (prompts, generation, boxes, receipts, attention maps, input checks) is
-in `paligemma_lib.demo`, exported from chapter 13; this file only lays out the page and
-turns each error into a message in it. Gradio is imported here, and this module only
-when the demo starts (`pip install "paligemma_lib[demo]"`)."""
+The model logic (prompts, generation, boxes, receipts, attention maps, input
+checks) is in `paligemma_lib.demo`, exported from chapter 13; this file only
+lays out the page and turns each error into a message in it. Gradio is imported
+here, and this module only when the demo starts (`pip install
+"paligemma_lib[demo]"`)."""
 
 import json
 import os
@@ -58,8 +60,8 @@ def message(text: str) -> str:
 
 
 def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
-    """The page. `model` may carry one LoRA adapter, named `adapter`; the page lets
-    the user switch it off (it is on for the receipt task by default)"""
+    """The page. `model` may carry one LoRA adapter, named `adapter`; the page
+    lets the user switch it off (it is on for the receipt task by default)"""
     layers = model.config.text.num_hidden_layers
     with gr.Blocks(title="PaliGemma from scratch", analytics_enabled=False) as app:
         image_state = gr.State(None)  # the PIL image asked about
@@ -151,7 +153,8 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
                 )
 
         def on_upload(file):
-            "A new image: the previous answer goes (it was about another image)"
+            """A new image: the previous answer goes (it was about another
+            image)"""
             if file is None:
                 return None, None, "", *cleared()
             try:
@@ -171,7 +174,8 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
             return adapter if adapter and chosen == "receipt" else NO_ADAPTER
 
         def cleared():
-            "A run's outputs, empty: answer, stats, boxes, receipt, tokens, maps"
+            """A run's outputs, empty: answer, stats, boxes, receipt, tokens,
+            maps"""
             hidden = gr.update(value=None, visible=False)
             tokens = gr.update(choices=[], value=None)
             return "", "", hidden, hidden, tokens, None, None
@@ -311,9 +315,9 @@ def launch(
     inline: bool | None = None,
     prevent_thread_lock: bool = False,
 ):
-    """Serve the page on host:port, never through a public share link. Uploads over
-    MAX_IMAGE_BYTES are refused by Gradio as they arrive, before they are written to
-    disk; at most MAX_QUEUE requests wait for the model"""
+    """Serve the page on host:port, never through a public share link. Uploads
+    over MAX_IMAGE_BYTES are refused by Gradio as they arrive, before they are
+    written to disk; at most MAX_QUEUE requests wait for the model"""
     if host not in LOCAL_HOSTS:
         print(
             f"warning: --host {host} serves the demo to every machine that can reach "

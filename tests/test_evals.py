@@ -55,12 +55,14 @@ def test_receipts_record_marks_the_old_evaluator():
     assert saved["metrics"] == again["metrics"]
 
 
-def test_readme_numbers_are_the_fresh_evaluation():
-    "The README's nano and receipts numbers are those of the fresh record, rounded"
+@pytest.mark.parametrize("page", ["README.md", "book/a1_using_the_library.md"])
+def test_readme_numbers_are_the_fresh_evaluation(page):
+    """The nano and receipts numbers of the README and of the book's page on
+    using the library are those of the fresh record, rounded"""
     fresh = json.loads(FRESH.read_text())
     nano = {task: part["metrics"] for task, part in fresh["nano"].items()}
     n = len(fresh["receipts"]["rows"])
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((ROOT / page).read_text().split())
     caption = nano["caption"]["caption"]["exact match"]
     count = round(nano["count"]["count"]["exact match"] * n)
     colour = nano["colour"]["colour"]["exact match"]

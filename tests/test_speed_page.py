@@ -1,0 +1,51 @@
+"""The appendix's "Speed and memory" page and the README's speed sentence are
+read from the benchmark records (issue 30): no figure typed by hand."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import speed_page  # noqa: E402
+
+
+def test_the_page_is_what_the_script_writes_from_the_records():
+    assert speed_page.PAGE.read_text() == speed_page.render(), (
+        "book/a2_speed_and_memory.md is out of date: python tools/speed_page.py"
+    )
+
+
+def test_every_record_the_page_reads_names_its_machine():
+    page = speed_page.PAGE.read_text()
+    for name in (
+        speed_page.GPU_DECODE,
+        speed_page.CPU_QUIET,
+        speed_page.CPU_BUSY,
+        speed_page.INT8_FP32,
+        speed_page.INT8_BF16,
+        speed_page.DATA_PIPELINE,
+    ):
+        # each record is cited beside its machine, date and command
+        line = next(x for x in page.splitlines() if f"results/{name}`" in x)
+        assert "*Machine:*" in line and "*Date:*" in line and "*Command:*" in line
+
+
+def test_the_published_records_were_not_taken_on_a_loaded_machine():
+    "Only --busy runs carry load, and it is their experiment, said beside them"
+    for name in (speed_page.CPU_QUIET, speed_page.INT8_FP32, speed_page.INT8_BF16):
+        assert json.loads((speed_page.RESULTS / name).read_text())["busy_loops"] == 0
+    busy = json.loads((speed_page.RESULTS / speed_page.CPU_BUSY).read_text())
+    assert busy["busy_loops"] == 1 and "the load is the experiment" in (
+        " ".join(speed_page.PAGE.read_text().split())
+    )
+
+
+def test_the_readme_speed_sentence_is_the_record():
+    parts = json.loads((speed_page.RESULTS / speed_page.GPU_DECODE).read_text())
+    ours = parts["sections"]["decode ours compiled, batch 1"]["ms_per_step"]
+    best = parts["sections"]["decode transformers static compiled, batch 1"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"compiled: {ours:.2f} ms a step at batch 1" in readme
+    assert f"{best['ms_per_step'] / ours:.2f} times as fast as" in readme
+    assert parts["device"].startswith("NVIDIA H100") and "NVIDIA H100" in readme

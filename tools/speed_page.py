@@ -1,0 +1,327 @@
+"""Write the book's appendix page "Speed and memory" from the benchmark records.
+
+Every number on book/a2_speed_and_memory.md comes from a JSON file in
+benchmarks/results/ (or the shipped models' training records), each table with its
+machine, date and command; none is typed by hand. tests/test_speed_page.py checks
+that the committed page is what this script writes. After a new benchmark run:
+
+    python tools/speed_page.py            # rewrite the page
+    python tools/speed_page.py --check    # exit 1 if the page is out of date
+
+Records taken on a machine that was busy with other work are not published (the
+controlled `--busy 1` runs of benchmarks/generate.py are: their load is the
+experiment).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "book" / "a2_speed_and_memory.md"
+
+GPU_DECODE = "gpu-cuda-3b-20261122-2119.json"
+CPU_QUIET = "cpu-mid-20261123-1925.json"
+CPU_BUSY = "cpu-mid-busy1-20261123-1926.json"
+INT8_FP32 = "cpu-mid-20261123-2000.json"
+INT8_BF16 = "cpu-mid-bf16-20261123-2000.json"
+DATA_PIPELINE = "train-cpu-20261123-1958.json"
+NANO_CPU = "nano-cpu-run-f901a61.json"
+NANO_GPU = ROOT / "paligemma_lib" / "assets" / "nano" / "training_record.json"
+# benchmarks/gpu.py did not yet write its command into the record
+GPU_COMMAND = "python benchmarks/gpu.py --out benchmarks/results"
+GIB = 2**30
+
+
+def record(name: str | Path) -> dict:
+    path = name if isinstance(name, Path) else RESULTS / name
+    return json.loads(path.read_text())
+
+
+def date_of(name: str) -> str:
+    "cpu-mid-20261123-1925.json -> 2026-11-23 19:25"
+    stamp = [part for part in name[:-5].split("-") if part.isdigit()]
+    day, time = stamp[-2], stamp[-1]
+    return f"{day[:4]}-{day[4:6]}-{day[6:]} {time[:2]}:{time[2:]}"
+
+
+def source(name: str, machine: str, command: str) -> str:
+    return (
+        f"*Machine:* {machine}. *Date:* {date_of(name)}. "
+        f"*Record:* `benchmarks/results/{name}`. *Command:* `{command}`"
+    )
+
+
+def shell(*commands: str, width: int = 76) -> str:
+    "A code block of commands, each folded with backslashes to fit the column"
+    lines = []
+    for command in commands:
+        line, words = "", []
+        for word in command.split():  # an option stays with its value
+            if words and words[-1].startswith("-") and not word.startswith("-"):
+                words[-1] += " " + word
+            else:
+                words.append(word)
+        for word in words:
+            if line and len(line) + 1 + len(word) > width:
+                lines.append(line + " \\")
+                line = "  " + word
+            else:
+                line = f"{line} {word}" if line else word
+        lines.append(line)
+    return "```\n" + "\n".join(lines) + "\n```"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |"]
+    lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def gpu_decoding() -> str:
+    gpu = record(GPU_DECODE)
+    parts = gpu["sections"]
+    ways = {
+        "ours, eager": "ours eager",
+        "ours, compiled (CUDA graphs)": "ours compiled",
+        "`transformers`, eager": "transformers eager",
+        "`transformers`, static cache, compiled": "transformers static compiled",
+    }
+    rows = []
+    for label, key in ways.items():
+        one, eight = parts[f"decode {key}, batch 1"], parts[f"decode {key}, batch 8"]
+        rows.append(
+            [
+                label,
+                f"{one['ms_per_step']:.2f}",
+                f"{one['fraction_of_bandwidth_limit']:.1%}",
+                f"{eight['ms_per_step']:.2f}",
+                f"{eight['tokens_per_s']:.0f}",
+            ]
+        )
+    ours = parts["decode ours compiled, batch 1"]["ms_per_step"]
+    theirs = parts["decode transformers static compiled, batch 1"]["ms_per_step"]
+    limit = parts["decode ours compiled, batch 1"]["bandwidth_limit_ms"]
+    machine = (
+        f"{gpu['device']}, PyTorch {gpu['torch']}, transformers {gpu['transformers']}"
+    )
+    return "\n\n".join(
+        [
+            "## Decoding PaliGemma-3B on a GPU",
+            "Greedy decoding at PaliGemma-3B's shapes (random weights, "
+            f"{gpu['dtype'].replace('torch.', '')}, {gpu['new_tokens']} new tokens): "
+            "milliseconds per decoding step, the prompt's prefill left out, and the "
+            "share of the bandwidth limit, the time to read the language model's "
+            "weights and the KV cache once at the GPU's nominal "
+            f"{gpu['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s "
+            f"({limit:.2f} ms at batch 1).",
+            table(
+                ["way", "batch 1: ms/step", "of limit", "batch 8: ms/step", "tokens/s"],
+                rows,
+            ),
+            f"Compiled, ours is {theirs / ours:.2f} times as fast as `transformers`' "
+            "best at batch 1. Every way gave the same tokens (with random weights "
+            "one token repeated, a weak check). Chapter 8 explains both ways.",
+            source(GPU_DECODE, machine, GPU_COMMAND),
+        ]
+    )
+
+
+def gpu_lora() -> str:
+    gpu = record(GPU_DECODE)
+    lora = gpu["sections"]["lora"]
+    rows = [
+        ["adapted layers", str(lora["targets"])],
+        ["trainable parameters", f"{lora['trainable_parameters'] / 1e6:.1f} M"],
+        ["batch x tokens", f"{lora['batch_size']} x {lora['sequence_length']}"],
+        ["seconds a step (median)", f"{lora['step_s_median']:.3f}"],
+        [
+            "peak memory above the models",
+            f"{lora['peak_above_baseline_bytes'] / GIB:.2f} GiB",
+        ],
+        ["peak memory in all", f"{lora['peak_memory_bytes'] / GIB:.2f} GiB"],
+    ]
+    machine = f"{gpu['device']}, PyTorch {gpu['torch']}"
+    return "\n\n".join(
+        [
+            "## LoRA at PaliGemma-3B's shapes",
+            "One training step of chapter 10's LoRA (rank 8 on its targets, gradient "
+            "checkpointing), with the two decoding models of the section above "
+            "still held on the GPU.",
+            table(["", "value"], rows),
+            source(GPU_DECODE, machine, GPU_COMMAND),
+        ]
+    )
+
+
+def nano_training() -> str:
+    gpu, cpu = record(NANO_GPU), record(NANO_CPU)
+    rows = []
+    for label, run in (("one GPU", gpu), ("two CPU cores", cpu)):
+        examples = run["steps"] * run["train_config"]["batch_size"]
+        rows.append(
+            [
+                label,
+                run["device"].split(": ", 1)[-1],
+                f"{run['steps']:,} x {run['train_config']['batch_size']}",
+                f"{run['seconds']:,.1f}",
+                f"{examples / run['seconds']:,.1f}",
+            ]
+        )
+    gpu_rate = gpu["steps"] * gpu["train_config"]["batch_size"] / gpu["seconds"]
+    cpu_rate = cpu["steps"] * cpu["train_config"]["batch_size"] / cpu["seconds"]
+    return "\n\n".join(
+        [
+            "## Training the nano model",
+            "The shipped `nano` model's run and the first run on a CPU, from their "
+            "training records (evaluations included in the time).",
+            table(["run", "device", "steps x batch", "seconds", "examples/s"], rows),
+            f"The GPU run went about {gpu_rate / cpu_rate:.0f} times faster. "
+            "*Records:* `paligemma_lib/assets/nano/training_record.json` and "
+            f"`benchmarks/results/{NANO_CPU}`. *Commands:*",
+            shell(gpu["command"], cpu["command"]),
+        ]
+    )
+
+
+def cpu_threads() -> str:
+    quiet, busy = record(CPU_QUIET), record(CPU_BUSY)
+    ways = {
+        'ours, `threads="auto"`': "ours",
+        "ours, all threads": "ours, all threads",
+        "`transformers`": "transformers",
+    }
+    rows = []
+    for label, key in ways.items():
+        row = [label]
+        for run in (quiet, busy):
+            for part in run["rows"]:
+                row.append(f"{part['tokens_per_s'][key]:.1f}")
+        rows.append(row)
+    same = all(all(part["same_tokens_as_ours"].values()) for part in quiet["rows"])
+    machine = f"2-core CPU ({quiet['threads']} threads), PyTorch {quiet['torch']}"
+    return "\n\n".join(
+        [
+            "## Decoding on a CPU, quiet and beside another process",
+            "Tokens per second of greedy decoding, float32, on the benchmark's "
+            f"{quiet['rows'][0]['config'].replace(' (', ' configuration (')}. "
+            "The second pair of columns "
+            "was measured with one other busy process on the machine "
+            "(`--busy 1`): the load is the experiment. On a loaded CPU "
+            '`generate(threads="auto")` times its first steps with each thread '
+            "count and keeps the fastest (chapter 8); the default keeps torch's "
+            "count, for the same outputs on every run. "
+            f"{'Every way gave the same tokens.' if same else ''}",
+            table(
+                ["way", "quiet, batch 1", "batch 8", "busy, batch 1", "batch 8"],
+                rows,
+            ),
+            'The rows named `ours` in these records are the `threads="auto"` way '
+            "(it was the default when they were made).",
+            source(CPU_QUIET, machine, quiet["command"]),
+            source(CPU_BUSY, machine, busy["command"]),
+        ]
+    )
+
+
+def cpu_int8() -> str:
+    fp32, bf16 = record(INT8_FP32), record(INT8_BF16)
+    rows = []
+    for label, run in (("float32", fp32), ("bfloat16", bf16)):
+        for part in run["rows"]:
+            rate = part["tokens_per_s"]
+            rows.append(
+                [
+                    label,
+                    str(part["batch"]),
+                    f"{rate['ours']:.1f}",
+                    f"{rate['ours, int8']:.1f}",
+                    f"{rate['ours, int8'] / rate['ours']:.2f}",
+                ]
+            )
+    machine = f"2-core CPU, PyTorch {fp32['torch']}"
+    return "\n\n".join(
+        [
+            "## int8 weights on a CPU",
+            "Chapter 8.1's weight-only int8 decoding against the same model in its "
+            "own dtype: tokens per second, mid configuration.",
+            table(["activations", "batch", "ours", "ours, int8", "ratio"], rows),
+            source(INT8_FP32, machine, fp32["command"]),
+            source(INT8_BF16, machine, bf16["command"]),
+        ]
+    )
+
+
+def data_pipeline() -> str:
+    run = record(DATA_PIPELINE)
+    rates = run["examples_per_s"]
+    rows = [[way, f"{rate:,.0f}"] for way, rate in rates["data"].items()]
+    rows.append(["the training step alone", f"{rates['step']:,.1f}"])
+    for workers, rate in rates["end_to_end"].items():
+        rows.append([f"data and step, workers {workers}", f"{rate:,.1f}"])
+    machine = f"2-core CPU, PyTorch {run['torch']}, commit {run['commit']}"
+    args = run["args"]
+    command = (
+        "python benchmarks/train_throughput.py --device cpu --workers "
+        + " ".join(map(str, args["workers"]))
+    )
+    return "\n\n".join(
+        [
+            "## Training's input pipeline on a CPU",
+            "Examples per second for the nano recipe (batch of "
+            f"{args['batch_size']}): building batches only, with images as 8-bit "
+            "levels (`uint8`, normalised by the model on its device) or as "
+            "normalised float32, in this process or through `DataLoader` workers; "
+            "the training step only; and both.",
+            table(["what", "examples/s"], rows),
+            "On a CPU the step dominates; the data rates matter on a GPU.",
+            source(DATA_PIPELINE, machine, command),
+        ]
+    )
+
+
+def render() -> str:
+    head = "\n\n".join(
+        [
+            "# Speed and memory",
+            "Every figure on this page is read from a benchmark record by "
+            "`tools/speed_page.py`, which wrote this page; each table names its "
+            "machine, date and command. Benchmarks run our code and the reference "
+            "side by side in one process. Records taken on a machine busy with "
+            "other work are not published.",
+        ]
+    )
+    parts = [
+        head,
+        gpu_decoding(),
+        gpu_lora(),
+        nano_training(),
+        cpu_threads(),
+        cpu_int8(),
+        data_pipeline(),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare, write nothing")
+    args = parser.parse_args()
+    page = render()
+    if args.check:
+        if PAGE.read_text() != page:
+            print(
+                f"{PAGE.relative_to(ROOT)} is out of date: python tools/speed_page.py"
+            )
+            return 1
+        return 0
+    PAGE.write_text(page)
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
