@@ -1,5 +1,6 @@
 """The dependency lists in pyproject.toml and environment.yml agree."""
 
+import ast
 import re
 import tomllib
 from pathlib import Path
@@ -81,9 +82,19 @@ def test_runtime_dependencies_are_what_the_library_imports():
     for path in (ROOT / "paligemma_lib").glob("*.py"):
         if path.name == "_nbdev.py":  # build tooling, runs inside nbdev-export only
             continue
-        for module in re.findall(
-            r"^\s*(?:from|import)\s+([A-Za-z_]\w*)", path.read_text(), re.M
-        ):
+        tree = ast.parse(path.read_text())
+        modules = [
+            name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            and not getattr(node, "level", 0)
+            for name in (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+            )
+        ]
+        for module in modules:
             if module in optional:
                 assert path == ROOT / optional[module], f"{path.name} imports {module}"
                 continue

@@ -6,6 +6,7 @@ and each named branch taken is written to $PALIGEMMA_REHEARSAL_RECORD. `.ci/run`
 the chapters that have GPU branches that way, then `test_every_gpu_branch_was_rehearsed`
 (marker `rehearsal`) reads the record."""
 
+import ast
 import json
 import math
 import os
@@ -120,9 +121,22 @@ def test_chapters_ask_gpu_branch_and_name_each_branch():
     names = branch_names()
     assert len(names) >= 3 and len(set(names)) == len(names), names
     for notebook, cell, source in chapter_code_cells():
-        for line in source.splitlines():  # a check of the helper may leave it unnamed
-            if "gpu_branch(" in line and not line.lstrip().startswith("assert"):
-                assert BRANCH.search(line), f"{notebook} cell {cell}: {line.strip()}"
+        tree = ast.parse(source)
+        checks = {  # a check of the helper itself may leave the branch unnamed
+            id(call)
+            for statement in ast.walk(tree)
+            if isinstance(statement, ast.Assert)
+            for call in ast.walk(statement)
+        }
+        for call in ast.walk(tree):
+            if (
+                isinstance(call, ast.Call)
+                and getattr(call.func, "id", None) == "gpu_branch"
+                and id(call) not in checks
+            ):
+                named = len(call.args) == 2 and isinstance(call.args[1], ast.Constant)
+                line = ast.get_source_segment(source, call)
+                assert named, f"{notebook} cell {cell}: {line} (name the branch)"
         decides = re.findall(r"^\s*(?:if|elif)\b[^\n]*\.type\s*[!=]=", source, re.M)
         assert not decides, f"{notebook} cell {cell}: {decides} (use gpu_branch)"
 

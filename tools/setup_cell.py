@@ -26,9 +26,10 @@ if "google.colab" in sys.modules:
 
     repo = "{url}"
     source = os.environ.get("PALIGEMMA_LIB_SOURCE", f"git+{{repo}}")
-    with open("/tmp/keep-torch.txt", "w") as f:  # never replace Colab's CUDA torch
+    keep = "/tmp/keep-torch.txt"
+    with open(keep, "w") as f:  # never replace Colab's CUDA torch
         f.write(f"torch=={{version('torch')}}\\n")
-    pip = [sys.executable, "-m", "pip", "install", "-q", "-c", "/tmp/keep-torch.txt"]
+    pip = [sys.executable, "-m", "pip", "install", "-q", "-c", keep]
     subprocess.run([*pip, f"paligemma_lib[chapters] @ {{source}}"], check=True)"""
 
 
