@@ -17,6 +17,7 @@ import sys
 import traceback
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio loads
 
@@ -59,10 +60,290 @@ def message(text: str) -> str:
     return f"**{text}**" if text else ""
 
 
+def image_panel() -> SimpleNamespace:
+    "Where the image comes from: an upload or a bundled example, and its preview"
+    with gr.Column():
+        upload = gr.File(label="Upload an image", elem_id="upload")
+        example = gr.Radio(
+            list(EXAMPLES), label="or a bundled example", elem_id="examples"
+        )
+        preview = gr.Image(
+            label="Image",
+            type="pil",
+            interactive=False,
+            format="png",
+            elem_id="preview",
+        )
+    return SimpleNamespace(upload=upload, example=example, preview=preview)
+
+
+def task_panel(adapter: str | None) -> SimpleNamespace:
+    "The task, its text, the adapter switch, the generation settings and Run"
+    with gr.Column():
+        task = gr.Radio(TASK_CHOICES, value="caption", label="Task", elem_id="task")
+        text = gr.Textbox(
+            label="Question, or the object to detect",
+            placeholder="what color is the square?",
+            elem_id="text",
+        )
+        use_adapter = gr.Radio(
+            [NO_ADAPTER, adapter] if adapter else [NO_ADAPTER],
+            value=adapter or NO_ADAPTER,  # the adapter served starts on
+            label="LoRA adapter",
+            visible=adapter is not None,
+            elem_id="adapter",
+        )
+        with gr.Accordion("Generation settings", open=False):
+            settings = [  # in on_run's order
+                gr.Radio(
+                    ["greedy", "sampling"],
+                    value="greedy",
+                    label="Decoding",
+                    elem_id="decoding",
+                ),
+                gr.Slider(0.05, 2.0, 1.0, label="Temperature"),
+                gr.Number(0, precision=0, label="Top-k (0: all tokens)"),
+                gr.Slider(0.05, 1.0, 1.0, label="Top-p (1: all tokens)"),
+                gr.Number(0, precision=0, label="Seed"),
+                gr.Slider(1, 128, 64, step=1, label="Max tokens"),
+            ]
+        run = gr.Button("Run", variant="primary", elem_id="run")
+        status = gr.Markdown(elem_id="message")
+    return SimpleNamespace(
+        task=task,
+        text=text,
+        use_adapter=use_adapter,
+        settings=settings,
+        run=run,
+        status=status,
+    )
+
+
+def answer_panel() -> SimpleNamespace:
+    "The answer, its speed, its boxes or receipt"
+    with gr.Column():
+        answer = gr.Textbox(label="Answer", interactive=False, elem_id="answer")
+        stats = gr.Markdown(elem_id="stats")
+        boxes = gr.Image(
+            label="Boxes",
+            type="pil",
+            interactive=False,
+            format="png",
+            visible=False,
+            elem_id="boxes",
+        )
+        receipt = gr.Code(
+            label="Receipt",
+            language="json",
+            interactive=False,
+            visible=False,
+            elem_id="receipt",
+        )
+    return SimpleNamespace(answer=answer, stats=stats, boxes=boxes, receipt=receipt)
+
+
+def attention_panel(layers: int) -> SimpleNamespace:
+    "For a token of the answer and a layer, the image patches it attended to"
+    with gr.Column():
+        token = gr.Radio([], label="Attention of the answer token", elem_id="token")
+        layer = gr.Radio(
+            [MEAN, *map(str, range(layers))],
+            value=MEAN,
+            label="Layer (heads averaged)",
+            elem_id="layer",
+        )
+        attention = gr.Image(
+            label="Which image patches the token looked at",
+            type="pil",
+            interactive=False,
+            format="png",
+            elem_id="heatmap",
+        )
+    return SimpleNamespace(token=token, layer=layer, attention=attention)
+
+
+def cleared() -> tuple:
+    "A run's outputs, empty: answer, stats, boxes, receipt, tokens, maps, heat map"
+    hidden = gr.update(value=None, visible=False)
+    tokens = gr.update(choices=[], value=None)
+    return "", "", hidden, hidden, tokens, None, None
+
+
+def failed(text: str) -> tuple:
+    "The outputs of a run that did not happen: empty, and a message"
+    return *cleared(), message(text)
+
+
+def sampling_settings(decode, temperature, top_k, top_p) -> dict:
+    "The page's decoding settings as generate's keywords"
+    sampling = {"do_sample": decode == "sampling"}
+    if sampling["do_sample"]:
+        sampling.update(
+            temperature=float(temperature),
+            top_k=int(top_k) if top_k else None,
+            top_p=float(top_p) if top_p < 1 else None,
+        )
+    return sampling
+
+
+def shown_result(image, chosen: str, result, maps, limit: int) -> tuple:
+    "What a finished run shows: the run's outputs (as `cleared`) and a message"
+    tokens = [(f"{i}: {piece}", i) for i, piece in enumerate(result.pieces)]
+    stats_text = (
+        f"`{result.prompt}` -> {len(result.token_ids)} token(s) in "
+        f"{result.seconds:.2f} s, {result.tokens_per_second:.1f} tokens/s"
+    )
+    boxes_update = gr.update(value=None, visible=False)
+    if chosen == "detect":
+        boxes_update = gr.update(value=draw_boxes(image, result.boxes), visible=True)
+    receipt_update = gr.update(value=None, visible=False)
+    note = ""
+    if chosen == "receipt":
+        if result.receipt is not None:
+            receipt_update = gr.update(
+                value=json.dumps(result.receipt, indent=2), visible=True
+            )
+        else:
+            note = message(result.receipt_error)
+    if result.truncated:
+        note = message(
+            f"The answer stopped at the {limit}-token limit before its end "
+            "(<eos>): it may be cut short. Raise Max tokens under Generation "
+            "settings" + (f". {result.receipt_error}" if result.receipt_error else "")
+        )
+    return (
+        result.text,
+        stats_text,
+        boxes_update,
+        receipt_update,
+        gr.update(choices=tokens, value=0 if tokens else None),
+        maps,
+        None if maps is None else heatmap(image, maps[0].mean(0)),
+        note,
+    )
+
+
+def page_handlers(model, processor, adapter: str | None) -> SimpleNamespace:
+    """The page's event handlers, bound to the one model every session shares"""
+
+    def on_upload(file):
+        "A new image: the previous answer goes (it was about another image)"
+        if file is None:
+            return None, None, "", *cleared()
+        try:
+            image = open_upload(file)
+            return image, image, "", *cleared()
+        except (ValueError, OSError) as e:
+            return None, None, message(str(e)), *cleared()
+
+    def on_example(name):
+        if not name:  # the page's 6 outputs, all but the image left as they are
+            return None, None, "", gr.update(), gr.update(), gr.update()
+        _, _, example_task, example_text = EXAMPLES[name]
+        image = example_image(name)
+        return image, image, "", example_task, example_text, on_task(example_task)
+
+    def on_task(chosen):
+        return adapter if adapter and chosen == "receipt" else NO_ADAPTER
+
+    def on_run(image, chosen, typed, adapter_choice, decode, temp, k, p, s, n):
+        if image is None:
+            return failed("Upload an image or pick an example first")
+        sampling = sampling_settings(decode, temp, k, p)
+        try:
+            off = adapter_choice == NO_ADAPTER
+            with adapter_disabled(model) if off else nullcontext():
+                result = run_task(
+                    model,
+                    processor,
+                    image,
+                    chosen,
+                    typed,
+                    max_new_tokens=int(n),
+                    seed=int(s) if sampling["do_sample"] else None,
+                    **sampling,
+                )
+                maps = (
+                    answer_attention(
+                        model, processor, image, result.prompt, result.token_ids
+                    )
+                    .mean(2)
+                    .numpy()  # [T, L, side, side]
+                    if result.token_ids
+                    else None
+                )
+        except ValueError as e:
+            return failed(str(e))
+        except Exception as e:  # a bug: the page says so, the console has the trace
+            traceback.print_exc()
+            return failed(f"internal error ({type(e).__name__}: {e})")
+        return shown_result(image, chosen, result, maps, int(n))
+
+    def on_token(image, maps, index, which):
+        if image is None or maps is None or index is None:
+            return None
+        grids = maps[int(index)]  # [L, side, side]
+        grid = grids.mean(0) if which == MEAN else grids[int(which)]
+        return heatmap(image, grid)
+
+    return SimpleNamespace(
+        on_upload=on_upload,
+        on_example=on_example,
+        on_task=on_task,
+        on_run=on_run,
+        on_token=on_token,
+    )
+
+
+def connect(source, controls, shown, looked, image_state, maps_state, on):
+    """Each control's event to its handler (`on`, from page_handlers)"""
+    # One queue for the events that set the image and the run that reads it, so a
+    # Run pressed right after picking an example waits for the example's image
+    # (separate queues let the run read the image before it was set).
+    # concurrency_limit=1 is also what makes the adapter switch safe: every
+    # session shares this one model, and on_run's adapter_disabled swaps its
+    # layers in place for the length of a run, so two runs at once, one with the
+    # adapter and one without, would each compute with the other's layers. With
+    # one run at a time across all sessions, none can see another's switch
+    # (tests/test_app.py: test_concurrent_sessions_switching_adapters).
+    serial = {"concurrency_id": "image", "concurrency_limit": 1}
+    run_outputs = [
+        *(shown.answer, shown.stats, shown.boxes, shown.receipt),
+        *(looked.token, maps_state, looked.attention),
+    ]
+    status = controls.status
+    source.upload.upload(
+        on.on_upload,
+        source.upload,
+        [image_state, source.preview, status, *run_outputs],
+        **serial,
+    )
+    example_outputs = [image_state, source.preview, status, controls.task]
+    source.example.input(
+        on.on_example,
+        source.example,
+        [*example_outputs, controls.text, controls.use_adapter],
+        **serial,
+    )
+    controls.task.input(on.on_task, controls.task, controls.use_adapter)
+    run_inputs = [image_state, controls.task, controls.text, controls.use_adapter]
+    controls.run.click(
+        on.on_run,
+        [*run_inputs, *controls.settings],
+        [*run_outputs, status],
+        **serial,
+    )
+    for control in (looked.token, looked.layer):
+        control.change(
+            on.on_token,
+            [image_state, maps_state, looked.token, looked.layer],
+            looked.attention,
+        )
+
+
 def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
     """The page. `model` may carry one LoRA adapter, named `adapter`; the page
     lets the user switch it off (it is on for the receipt task by default)"""
-    layers = model.config.text.num_hidden_layers
     with gr.Blocks(title="PaliGemma from scratch", analytics_enabled=False) as app:
         image_state = gr.State(None)  # the PIL image asked about
         maps_state = gr.State(None)  # [T, L, side, side]: attention, heads averaged
@@ -73,238 +354,21 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
             f"{MAX_IMAGE_PIXELS // 10**6} megapixels."
         )
         with gr.Row():
-            with gr.Column():
-                upload = gr.File(label="Upload an image", elem_id="upload")
-                example = gr.Radio(
-                    list(EXAMPLES), label="or a bundled example", elem_id="examples"
-                )
-                preview = gr.Image(
-                    label="Image",
-                    type="pil",
-                    interactive=False,
-                    format="png",
-                    elem_id="preview",
-                )
-            with gr.Column():
-                task = gr.Radio(
-                    TASK_CHOICES, value="caption", label="Task", elem_id="task"
-                )
-                text = gr.Textbox(
-                    label="Question, or the object to detect",
-                    placeholder="what color is the square?",
-                    elem_id="text",
-                )
-                use_adapter = gr.Radio(
-                    [NO_ADAPTER, adapter] if adapter else [NO_ADAPTER],
-                    value=adapter or NO_ADAPTER,  # the adapter served starts on
-                    label="LoRA adapter",
-                    visible=adapter is not None,
-                    elem_id="adapter",
-                )
-                with gr.Accordion("Generation settings", open=False):
-                    decoding = gr.Radio(
-                        ["greedy", "sampling"],
-                        value="greedy",
-                        label="Decoding",
-                        elem_id="decoding",
-                    )
-                    temperature = gr.Slider(0.05, 2.0, 1.0, label="Temperature")
-                    top_k = gr.Number(0, precision=0, label="Top-k (0: all tokens)")
-                    top_p = gr.Slider(0.05, 1.0, 1.0, label="Top-p (1: all tokens)")
-                    seed = gr.Number(0, precision=0, label="Seed")
-                    max_new_tokens = gr.Slider(1, 128, 64, step=1, label="Max tokens")
-                run = gr.Button("Run", variant="primary", elem_id="run")
-                status = gr.Markdown(elem_id="message")
+            source = image_panel()
+            controls = task_panel(adapter)
         with gr.Row():
-            with gr.Column():
-                answer = gr.Textbox(label="Answer", interactive=False, elem_id="answer")
-                stats = gr.Markdown(elem_id="stats")
-                boxes = gr.Image(
-                    label="Boxes",
-                    type="pil",
-                    interactive=False,
-                    format="png",
-                    visible=False,
-                    elem_id="boxes",
-                )
-                receipt = gr.Code(
-                    label="Receipt",
-                    language="json",
-                    interactive=False,
-                    visible=False,
-                    elem_id="receipt",
-                )
-            with gr.Column():
-                token = gr.Radio(
-                    [], label="Attention of the answer token", elem_id="token"
-                )
-                layer = gr.Radio(
-                    [MEAN, *map(str, range(layers))],
-                    value=MEAN,
-                    label="Layer (heads averaged)",
-                    elem_id="layer",
-                )
-                attention = gr.Image(
-                    label="Which image patches the token looked at",
-                    type="pil",
-                    interactive=False,
-                    format="png",
-                    elem_id="heatmap",
-                )
+            shown = answer_panel()
+            looked = attention_panel(model.config.text.num_hidden_layers)
 
-        def on_upload(file):
-            """A new image: the previous answer goes (it was about another
-            image)"""
-            if file is None:
-                return None, None, "", *cleared()
-            try:
-                image = open_upload(file)
-                return image, image, "", *cleared()
-            except (ValueError, OSError) as e:
-                return None, None, message(str(e)), *cleared()
-
-        def on_example(name):
-            if not name:  # the page's 6 outputs, all but the image left as they are
-                return None, None, "", gr.update(), gr.update(), gr.update()
-            _, _, example_task, example_text = EXAMPLES[name]
-            image = example_image(name)
-            return image, image, "", example_task, example_text, on_task(example_task)
-
-        def on_task(chosen):
-            return adapter if adapter and chosen == "receipt" else NO_ADAPTER
-
-        def cleared():
-            """A run's outputs, empty: answer, stats, boxes, receipt, tokens,
-            maps"""
-            hidden = gr.update(value=None, visible=False)
-            tokens = gr.update(choices=[], value=None)
-            return "", "", hidden, hidden, tokens, None, None
-
-        def failed(text):
-            "The outputs of a run that did not happen: empty, and a message"
-            return *cleared(), message(text)
-
-        def on_run(image, chosen, typed, adapter_choice, decode, temp, k, p, s, n):
-            if image is None:
-                return failed("Upload an image or pick an example first")
-            sampling = {"do_sample": decode == "sampling"}
-            if sampling["do_sample"]:
-                sampling.update(
-                    temperature=float(temp),
-                    top_k=int(k) if k else None,
-                    top_p=float(p) if p < 1 else None,
-                )
-            try:
-                off = adapter_choice == NO_ADAPTER
-                with adapter_disabled(model) if off else nullcontext():
-                    result = run_task(
-                        model,
-                        processor,
-                        image,
-                        chosen,
-                        typed,
-                        max_new_tokens=int(n),
-                        seed=int(s) if sampling["do_sample"] else None,
-                        **sampling,
-                    )
-                    maps = (
-                        answer_attention(
-                            model, processor, image, result.prompt, result.token_ids
-                        )
-                        .mean(2)
-                        .numpy()  # [T, L, side, side]
-                        if result.token_ids
-                        else None
-                    )
-            except ValueError as e:
-                return failed(str(e))
-            except Exception as e:  # a bug: the page says so, the console has the trace
-                traceback.print_exc()
-                return failed(f"internal error ({type(e).__name__}: {e})")
-            tokens = [(f"{i}: {piece}", i) for i, piece in enumerate(result.pieces)]
-            stats_text = (
-                f"`{result.prompt}` -> {len(result.token_ids)} token(s) in "
-                f"{result.seconds:.2f} s, {result.tokens_per_second:.1f} tokens/s"
-            )
-            boxes_update = gr.update(value=None, visible=False)
-            if chosen == "detect":
-                boxes_update = gr.update(
-                    value=draw_boxes(image, result.boxes), visible=True
-                )
-            receipt_update = gr.update(value=None, visible=False)
-            note = ""
-            if chosen == "receipt":
-                if result.receipt is not None:
-                    receipt_update = gr.update(
-                        value=json.dumps(result.receipt, indent=2), visible=True
-                    )
-                else:
-                    note = message(result.receipt_error)
-            if result.truncated:
-                note = message(
-                    f"The answer stopped at the {int(n)}-token limit before its end "
-                    "(<eos>): it may be cut short. Raise Max tokens under Generation "
-                    "settings"
-                    + (f". {result.receipt_error}" if result.receipt_error else "")
-                )
-            return (
-                result.text,
-                stats_text,
-                boxes_update,
-                receipt_update,
-                gr.update(choices=tokens, value=0 if tokens else None),
-                maps,
-                None if maps is None else heatmap(image, maps[0].mean(0)),
-                note,
-            )
-
-        def on_token(image, maps, index, which):
-            if image is None or maps is None or index is None:
-                return None
-            grids = maps[int(index)]  # [L, side, side]
-            grid = grids.mean(0) if which == MEAN else grids[int(which)]
-            return heatmap(image, grid)
-
-        # One queue for the events that set the image and the run that reads it, so a
-        # Run pressed right after picking an example waits for the example's image
-        # (separate queues let the run read the image before it was set).
-        # concurrency_limit=1 is also what makes the adapter switch safe: every
-        # session shares this one model, and on_run's adapter_disabled swaps its
-        # layers in place for the length of a run, so two runs at once, one with the
-        # adapter and one without, would each compute with the other's layers. With
-        # one run at a time across all sessions, none can see another's switch
-        # (tests/test_app.py: test_concurrent_sessions_switching_adapters).
-        serial = {"concurrency_id": "image", "concurrency_limit": 1}
-        run_outputs = [answer, stats, boxes, receipt, token, maps_state, attention]
-        upload.upload(
-            on_upload, upload, [image_state, preview, status, *run_outputs], **serial
+        connect(
+            source,
+            controls,
+            shown,
+            looked,
+            image_state,
+            maps_state,
+            page_handlers(model, processor, adapter),
         )
-        example.input(
-            on_example,
-            example,
-            [image_state, preview, status, task, text, use_adapter],
-            **serial,
-        )
-        task.input(on_task, task, use_adapter)
-        run.click(
-            on_run,
-            [
-                image_state,
-                task,
-                text,
-                use_adapter,
-                decoding,
-                temperature,
-                top_k,
-                top_p,
-                seed,
-                max_new_tokens,
-            ],
-            [*run_outputs, status],
-            **serial,
-        )
-        for control in (token, layer):
-            control.change(on_token, [image_state, maps_state, token, layer], attention)
     return app
 
 
