@@ -8,7 +8,6 @@ __all__ = ['INT8_MAX', 'HALF', 'DECODER_LINEARS', 'int8_weights', 'Int8Linear',
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .lora import DEFAULT_TARGETS
 
 __doc__ = """int8 weight-only quantisation (chapter 8.1): the decoder's Linear
 layers hold int8 weights and one scale per output channel, dequantised inside
@@ -130,8 +129,17 @@ class Int8Linear(nn.Module):
         )
 
 # %% ../book/08b_int8.ipynb #q014
-# the attention's and the MLP's projections: chapter 10's default LoRA targets
-DECODER_LINEARS = tuple(DEFAULT_TARGETS)
+# the attention's and the MLP's projections of a decoder layer (chapter 5); the
+# same names are chapter 10's default LoRA targets
+DECODER_LINEARS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 
 
 def quantize_int8(model) -> list[str]:
