@@ -249,13 +249,21 @@ def test_16_bit_activations_on_a_cpu_take_the_int8_kernel(dtype, n, monkeypatch)
 
 def fp16_bound(x: torch.Tensor, layer: Int8Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """(the float64 product of x and the layer's codes times scales, what it may be
-    off by in float16): each weight q*s rounded once to float16 (u = 2^-11), a float32
-    sum of n products (the CPU's float16 products, and cuBLAS's, accumulate in float32),
-    the output rounded once to float16; 1.001 for the products of small terms"""
+    off by in float16). Each weight q*s rounded once to float16 (relative u = 2^-11,
+    or 2^-25 absolute where subnormal); the products of two float16 numbers exact in
+    float32 and summed there (the CPU's float16 products, and cuBLAS's, accumulate in
+    float32): gamma_n = n u32 / (1 - n u32) of the sum of their sizes; the output
+    rounded once to float16 (relative u, or 2^-25 absolute below 2^-14). So
+    |error| <= ((1+u)^2 (1+gamma_n) - 1) sum|x||w|
+               + 2^-25 ((1+u)(1+gamma_n) sum|x| + 1)"""
+    u16, n = 2.0**-11, layer.in_features
+    gamma = n * U32 / (1 - n * U32)
     w64 = layer.weight_int8.double() * layer.weight_scale.double()[:, None]
     exact = F.linear(x.double(), w64)
     size = F.linear(x.double().abs(), w64.abs())
-    return exact, (2 * 2.0**-11 + layer.in_features * U32) * size * 1.001
+    x_size = x.double().abs().sum(-1, keepdim=True)
+    subnormal = 2.0**-25 * ((1 + u16) * (1 + gamma) * x_size + 1)
+    return exact, ((1 + u16) ** 2 * (1 + gamma) - 1) * size + subnormal
 
 
 def test_float16_cast_route_does_not_overflow():
