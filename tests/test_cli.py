@@ -223,7 +223,7 @@ def test_bad_input_is_one_line_and_a_nonzero_status(
 def test_a_folder_without_tokenizer_fails_before_the_weights_load(
     checkpoint, tmp_path, monkeypatch, capsys
 ):
-    import paligemma_lib.__main__ as cli_module
+    import paligemma_lib.cli.generate as cli_module
 
     monkeypatch.setattr(
         cli_module,
@@ -630,7 +630,7 @@ def test_generate_without_model_answers_with_the_shipped_nano(checkpoint):
 
 
 def test_evaluate_and_generate_default_to_nano():
-    from paligemma_lib.__main__ import parse_args
+    from paligemma_lib.cli.main import parse_args
 
     assert parse_args(["evaluate", "--world", "shapes"]).model == "nano"
     args = parse_args(["generate", "--image", "x.png", "--prompt", "caption en"])
@@ -672,7 +672,8 @@ def test_the_default_max_new_tokens_holds_every_shipped_task():
     import inspect
     import json as json_module
 
-    from paligemma_lib.__main__ import DEFAULT_MAX_NEW_TOKENS, build_parser
+    from paligemma_lib.cli.main import build_parser
+    from paligemma_lib.cli.options import DEFAULT_MAX_NEW_TOKENS
     from paligemma_lib.data import SPLITS, STORES, TASKS, make_example
     from paligemma_lib.generation import generate
 
@@ -768,7 +769,7 @@ def test_a_model_that_is_an_adapter_folder_hints_adapter(checkpoint, capsys):
 
 
 def test_every_option_has_help_and_shows_its_default():
-    from paligemma_lib.__main__ import build_parser
+    from paligemma_lib.cli.main import build_parser
 
     parser = build_parser()
     top = " ".join(parser.format_help().split())

@@ -1,0 +1,70 @@
+# Hand-written CLI wiring, not exported from a notebook: it parses, then calls the lib.
+"""`python -m paligemma_lib demo`: serve the demo page (chapter 13)."""
+
+import argparse
+from pathlib import Path
+
+from .interrupt import ON_INTERRUPT
+from .options import (
+    DEFAULT_MODEL,
+    DEVICE_HELP,
+    MODEL_HELP,
+    HelpFormatter,
+    check_device,
+    check_model,
+)
+
+
+def add_demo_parser(commands) -> None:
+    demo = commands.add_parser(
+        "demo",
+        help="serve a web page that asks the model about images (Gradio); Ctrl-C "
+        "stops it",
+        formatter_class=HelpFormatter,
+    )
+    demo.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    demo.add_argument(
+        "--adapter",
+        default=None,
+        help="a LoRA adapter folder in PEFT's format, switchable in the page (where "
+        "it starts on), or 'none'. Default: the shipped receipts adapter (chapter "
+        "12) when the package has it",
+    )
+    demo.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; anything but this machine's own is warned about",
+    )
+    demo.add_argument("--port", type=int, default=7860, help="port to listen on")
+    demo.add_argument("--device", default="auto", help=DEVICE_HELP)
+
+
+def demo_command(args: argparse.Namespace, argv=None) -> int:
+    "Checks the flags, then imports Gradio (only now) and serves the page"
+    from ..demo import shipped_adapter
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    check_device(args.device)
+    adapter = args.adapter
+    if adapter is None:
+        adapter = shipped_adapter("receipts")
+    elif adapter == "none":
+        adapter = None
+    elif not Path(adapter).is_dir():
+        raise ValueError(
+            f"--adapter {adapter}: no such folder; give a folder with "
+            "adapter_config.json and adapter_model.safetensors, or 'none'"
+        )
+    check_model(args.model)
+    try:
+        from ..app import serve
+    except ModuleNotFoundError as e:
+        if e.name != "gradio":
+            raise
+        raise ValueError(
+            "the demo needs Gradio: pip install 'paligemma_lib[demo]'"
+        ) from None
+    # Ctrl-C is how the demo is stopped: not an error, status 0
+    ON_INTERRUPT.update(message=lambda: "demo stopped", status=0)
+    return serve(args.model, adapter, args.host, args.port, args.device)

@@ -1,0 +1,129 @@
+# Hand-written CLI wiring, not exported from a notebook: it parses, then calls the lib.
+"""`python -m paligemma_lib evaluate`: a model's (and adapter's) metrics on a world's
+split (chapter 11.3), optionally added to its training record."""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from ..processing import PaliGemmaProcessor, resolve_model_path
+from ..weights import load_pretrained, resolve_device
+from .options import (
+    ADAPTER_HELP,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MODEL,
+    DEVICE_HELP,
+    MODEL_HELP,
+    WORLDS,
+    HelpFormatter,
+    adapter_folder,
+    add_quantize_argument,
+    at_least,
+    check_device,
+    check_model,
+    check_quantize,
+    import_data,
+    with_adapter,
+)
+
+
+def add_evaluate_parser(commands) -> None:
+    ev = commands.add_parser(
+        "evaluate",
+        help="the metrics table of a model on a world",
+        formatter_class=HelpFormatter,
+    )
+    ev.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    ev.add_argument("--adapter", default=None, help=ADAPTER_HELP)
+    ev.add_argument(
+        "--world",
+        required=True,
+        choices=WORLDS,
+        help="the synthetic world whose examples are asked (chapter 11)",
+    )
+    ev.add_argument(
+        "--split",
+        default="test",
+        choices=("train", "validation", "test"),
+        help="which seeds: the test split was never trained on",
+    )
+    ev.add_argument("--limit", type=int, default=200, help="examples to evaluate")
+    ev.add_argument("--batch-size", type=int, default=16, help="examples at a time")
+    ev.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help="the longest answer generated",
+    )
+    ev.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_quantize_argument(ev)
+    ev.add_argument(
+        "--record",
+        action="store_true",
+        help="also write the metrics into the folder's training_record.json "
+        "(under 'evaluations', with this command)",
+    )
+
+
+def evaluate_command(args: argparse.Namespace, argv) -> int:
+    from ..train import compute_metrics, format_metrics, predict
+
+    at_least(args, limit=1, batch_size=1, max_new_tokens=1)
+    check_device(args.device)
+    if args.record:
+        record_path(args.model)  # before the slow part
+    check_model(args.model)
+    check_quantize(args)
+    if args.adapter is not None:
+        adapter_folder(args.adapter)
+    processor = PaliGemmaProcessor.from_pretrained(args.model)
+    data = import_data()
+    device = resolve_device(args.device)
+    model = load_pretrained(args.model, device=device, quantize=args.quantize)
+    model = with_adapter(model, args, device)
+    dataset = data.SyntheticDataset(
+        worlds={args.world: 1.0}, split=args.split, size=args.limit
+    )
+    rows = predict(
+        model,
+        processor,
+        dataset,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+    )
+    metrics = compute_metrics(rows)
+    adapter = f" with adapter {args.adapter}" if args.adapter is not None else ""
+    print(f"{args.model}{adapter} on {args.world} ({args.split}, {len(rows)} examples)")
+    print(format_metrics(metrics))
+    if args.record:
+        where = add_evaluation(args, argv, len(rows), metrics)
+        print(f"metrics added to {where}")
+    return 0
+
+
+def record_path(model) -> Path:
+    record_file = resolve_model_path(model) / "training_record.json"
+    if not record_file.is_file():
+        raise FileNotFoundError(
+            f"--record: {record_file} does not exist; --record adds to the record "
+            f"that `train` writes into its output folder"
+        )
+    return record_file
+
+
+def add_evaluation(args, argv, examples: int, metrics: dict) -> Path:
+    "Add this evaluation to the model folder's training record, atomically"
+    record_file = record_path(args.model)
+    record = json.loads(record_file.read_text())
+    command = " ".join(["python -m paligemma_lib", *map(str, argv)])
+    evaluations = record.setdefault("evaluations", {})
+    evaluations[f"{args.world}/{args.split}"] = {
+        "command": command,
+        "examples": examples,
+        "metrics": metrics,
+    }
+    partial = record_file.with_name(f".{record_file.name}.partial")
+    partial.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(partial, record_file)
+    return record_file

@@ -1,0 +1,204 @@
+# Hand-written CLI wiring, not exported from a notebook: it parses, then calls the lib.
+"""`python -m paligemma_lib generate`: answer one prompt about one image (chapters 8
+and 9), or draw the boxes of a detect prompt."""
+
+import argparse
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from ..demo import MAX_IMAGE_PIXELS
+from ..generation import TruncatedAnswerWarning, answer
+from ..processing import PaliGemmaProcessor, draw_boxes, load_image, parse_loc_tokens
+from ..weights import DTYPES, load_pretrained, resolve_device
+from .options import (
+    ADAPTER_HELP,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MODEL,
+    DEVICE_HELP,
+    MODEL_HELP,
+    HelpFormatter,
+    adapter_folder,
+    add_quantize_argument,
+    check_device,
+    check_image_arg,
+    check_model,
+    check_quantize,
+    warning_note,
+    with_adapter,
+)
+
+
+def add_generate_parser(commands) -> None:
+    gen = commands.add_parser(
+        "generate",
+        help="answer one prompt about one image",
+        formatter_class=HelpFormatter,
+    )
+    gen.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    gen.add_argument("--adapter", default=None, help=ADAPTER_HELP)
+    gen.add_argument(
+        "--image",
+        required=True,
+        help="an image file (PNG, JPEG, ...; a local file, not a URL), of at most "
+        f"{MAX_IMAGE_PIXELS // 10**6} megapixels",
+    )
+    gen.add_argument(
+        "--prompt",
+        required=True,
+        help='task prompt, e.g. "caption en", "answer en ...", "detect cat"',
+    )
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help="stop after this many tokens; an answer stopped before its end says so "
+        "in a note on stderr",
+    )
+    gen.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="default: as stored in the checkpoint",
+    )
+    gen.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_quantize_argument(gen)
+    gen.add_argument(
+        "--do-sample",
+        action="store_true",
+        help="sample instead of taking the most likely token",
+    )
+    gen.add_argument("--temperature", type=float, default=1.0, help="with --do-sample")
+    gen.add_argument("--top-k", type=int, default=None, help="with --do-sample")
+    gen.add_argument("--top-p", type=float, default=None, help="with --do-sample")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    gen.add_argument(
+        "--draw",
+        default=None,
+        metavar="OUT.png",
+        help="for detect prompts: save the image with the boxes",
+    )
+
+
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    "Sampling flags make sense only together with --do-sample, and only in range"
+    if not args.do_sample and (
+        args.temperature != 1.0
+        or args.top_k is not None
+        or args.top_p is not None
+        or args.seed is not None
+    ):
+        raise ValueError(
+            "--temperature, --top-k, --top-p and --seed shape a sample: "
+            "add --do-sample to sample"
+        )
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ValueError(
+            f"--temperature must be a positive finite number, got {args.temperature}"
+        )
+    if args.max_new_tokens < 1:
+        raise ValueError(
+            f"--max-new-tokens must be at least 1, got {args.max_new_tokens}"
+        )
+
+
+def check_draw_path(args: argparse.Namespace) -> None:
+    "Fail before the (slow) model if the boxes could not be saved where --draw says"
+    out = Path(args.draw)
+    if out.suffix.lower() not in Image.registered_extensions():
+        raise ValueError(
+            f"--draw {args.draw}: {out.suffix or 'no extension'} is not an image "
+            "format Pillow writes; use a name ending in .png or .jpg"
+        )
+    if out.exists() and out.resolve() == Path(args.image).resolve():
+        raise ValueError(
+            f"--draw {args.draw} is the input image; choose another file name, "
+            "so that the original is kept"
+        )
+    folder = out.parent if str(out.parent) else Path(".")
+    if out.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(
+            f"--draw {args.draw} cannot be written: "
+            + (
+                "it is a folder"
+                if out.is_dir()
+                else f"{folder} is not a writable folder"
+            )
+        )
+
+
+def generate_command(args: argparse.Namespace, argv=None) -> int:
+    if not args.prompt.strip():
+        raise ValueError(
+            '--prompt is empty: give a task prompt, e.g. "caption en", "ocr", '
+            '"answer en what color is the square?" or "detect circle"'
+        )
+    detect = args.prompt.strip().startswith("detect")
+    if args.draw and not detect:
+        raise ValueError(
+            "--draw saves the boxes of a 'detect ...' prompt; "
+            f"the prompt {args.prompt!r} asks for none"
+        )
+    check_sampling_flags(args)
+    check_device(args.device)
+    if args.draw:
+        check_draw_path(args)
+    # Before the (slow) model, so that a bad image, a folder that is not a checkpoint,
+    # or one without tokenizer.model fails fast.
+    check_image_arg(args.image)
+    image = load_image(args.image)
+    check_model(args.model)
+    check_quantize(args)
+    if args.adapter is not None:
+        adapter_folder(args.adapter)
+    processor = PaliGemmaProcessor.from_pretrained(args.model)
+    device = resolve_device(args.device)
+    model = load_pretrained(
+        args.model, dtype=args.dtype, device=device, quantize=args.quantize
+    )
+    model = with_adapter(model, args, device)
+    generator = (
+        torch.Generator(device).manual_seed(args.seed)
+        if args.seed is not None
+        else None
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TruncatedAnswerWarning)
+        text = answer(
+            model,
+            processor,
+            image,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            generator=generator,
+        )
+    print(text, flush=True)
+    for warning in caught:
+        if issubclass(warning.category, TruncatedAnswerWarning):
+            print(
+                f"note: the answer stopped at --max-new-tokens {args.max_new_tokens} "
+                "before its end (<eos>), so it may be cut short; raise "
+                "--max-new-tokens",
+                file=sys.stderr,
+            )
+        else:
+            warning_note(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
+    if detect:
+        objects = parse_loc_tokens(text, image.width, image.height)
+        for (x0, y0, x1, y1), label in objects:
+            print(f"{label or '?'}: x0={x0:.0f} y0={y0:.0f} x1={x1:.0f} y1={y1:.0f}")
+        if args.draw:
+            draw_boxes(image, objects).save(args.draw)
+            print(f"{len(objects)} boxes drawn on {args.draw}")
+    return 0

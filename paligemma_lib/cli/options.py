@@ -1,0 +1,211 @@
+# Hand-written CLI wiring, not exported from a notebook: it parses, then calls the lib.
+"""What the commands share: the --model and --adapter checks, the help texts, the
+worlds, the device and image checks, and the errors reported in one line."""
+
+import argparse
+import math
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from ..demo import check_image_pixels
+from ..processing import SHIPPED
+from ..weights import CheckpointError, checkpoint_files
+
+BAD_INPUT = (
+    CheckpointError,
+    SafetensorError,
+    OSError,
+    ValueError,
+)  # reported in one line; anything else is a bug
+
+
+DEFAULT_MODEL = "nano"  # shipped in the package (paligemma_lib/assets/nano)
+
+
+MODEL_HELP = (
+    "checkpoint folder (config.json, safetensors, tokenizer.model) or the name of a "
+    f"shipped model ({', '.join(SHIPPED)}); a local folder of that name wins. "
+    f"Default: {DEFAULT_MODEL}, the book's small model, trained on synthetic shapes "
+    "and text lines only"
+)
+
+
+ADAPTER_HELP = (
+    "a LoRA adapter to add to the model: a folder in PEFT's format (from `train "
+    "--lora`, PEFT or save_adapter), or the name of a shipped adapter (receipts, "
+    "for --model nano)"
+)
+
+
+def check_model(name_or_path) -> None:
+    "The checkpoint files of --model, with a hint when it names an adapter folder"
+    from ..lora import ADAPTER_CONFIG
+
+    folder = Path(name_or_path)
+    if (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file():
+        raise ValueError(
+            f"--model {name_or_path} is a LoRA adapter, not a model: give it as "
+            f"--adapter {name_or_path}, with --model the model it was trained on "
+            "(its adapter_config.json names it)"
+        )
+    checkpoint_files(name_or_path)
+
+
+def adapter_folder(name_or_path) -> Path:
+    "The adapter folder --adapter names, checked before any model loads"
+    from ..lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, resolve_adapter_path
+
+    folder = resolve_adapter_path(name_or_path)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(
+                f"--adapter {name_or_path}: {folder} holds no {name}; give the folder "
+                f"that `train --lora` or PEFT's save_pretrained wrote"
+            )
+    return folder
+
+
+QUANTIZE_HELP = (
+    "int8: the decoder layers' Linear weights in int8 with one scale per output "
+    "channel (chapter 8.1), half their bytes; the vision tower and the tied LM head "
+    "stay as stored. Default: none, the weights as stored"
+)
+
+
+def add_quantize_argument(parser) -> None:
+    parser.add_argument(
+        "--quantize", choices=("int8",), default=None, help=QUANTIZE_HELP
+    )
+
+
+def check_quantize(args) -> None:
+    "--quantize and --adapter exclude each other: LoRA wraps float Linear layers"
+    if args.quantize is not None and args.adapter is not None:
+        raise ValueError(
+            f"--quantize {args.quantize} with --adapter: a LoRA adapter wraps float "
+            f"Linear layers, not int8 ones; leave out one of the two, or save the "
+            f"model with the adapter merged (merge_lora) and quantise that"
+        )
+
+
+def with_adapter(model, args, device):
+    "The model with --adapter's LoRA weights added (unmerged), on `device`"
+    if args.adapter is None:
+        return model
+    from ..lora import load_adapter
+
+    load_adapter(model, adapter_folder(args.adapter))
+    return model.to(device)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    "argparse's defaults formatter, quiet where there is no default to show"
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:  # none, or a flag
+            return action.help
+        return super()._get_help_string(action)
+
+
+WORLDS = ("shapes", "ocr", "receipts")
+
+
+DEVICE_HELP = "'auto' (the GPU when there is one), 'cpu', 'cuda', 'cuda:1', ..."
+
+
+def parse_worlds(text: str) -> dict:
+    "'shapes=0.7,ocr=0.3' -> {'shapes': 0.7, 'ocr': 0.3}"
+    worlds = {}
+    for part in text.split(","):
+        name, _, weight = part.partition("=")
+        name = name.strip()
+        if name not in WORLDS:
+            raise ValueError(
+                f"--worlds {text}: unknown world {name!r}; choose among {WORLDS}, "
+                "e.g. shapes=0.7,ocr=0.3"
+            )
+        try:
+            value = float(weight) if weight else 1.0
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"--worlds {text}: the weight of {name} must be a positive number"
+            )
+        worlds[name] = value
+    return worlds
+
+
+def import_data():
+    "The synthetic worlds (chapter 11), imported only by the commands that need them"
+    try:
+        from .. import data
+    except ModuleNotFoundError as e:
+        if e.name != "paligemma_lib.data":
+            raise
+        raise ValueError(
+            "this installation has no paligemma_lib.data (the synthetic worlds of "
+            "chapter 11); install a version of paligemma_lib that has it"
+        ) from None
+    return data
+
+
+def at_least(args, **smallest) -> None:
+    for name, value in smallest.items():
+        given = getattr(args, name)
+        if given < value:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be at least {value}, got {given}")
+
+
+def check_device(name: str) -> None:
+    "Devices PyTorch knows by name but that cannot run the model here"
+    if name == "meta":
+        raise ValueError(
+            "--device meta holds shapes, not numbers: use cpu, cuda or auto"
+        )
+    if name.startswith("mps") and not torch.backends.mps.is_available():
+        raise ValueError(
+            f"--device {name}: PyTorch sees no Apple GPU (MPS) here; use cpu or auto"
+        )
+
+
+URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # http://, https://, s3://, ...
+
+
+def check_image_arg(image: str) -> None:
+    "--image is a local file: say so for a URL, and refuse too many pixels"
+    if URL.match(image):
+        raise ValueError(
+            f"--image {image}: only local files are read, not URLs; download it "
+            "first (e.g. curl -o image.png URL) and give the file"
+        )
+    # Above the limit, refuse: the model sees at most 896 x 896 pixels, so decoding
+    # more (3 bytes a pixel: 432 MB for 144 megapixels) costs memory and seconds for
+    # nothing, and Pillow would only warn about a possible decompression bomb up to
+    # twice its own limit. The demo refuses uploads at the same limit.
+    check_image_pixels(image)
+
+
+def one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+DEFAULT_MAX_NEW_TOKENS = 64  # generate's: the longest answer of a shipped task is 41
+
+
+def warning_note(message, category, filename, lineno, file=None, line=None):
+    "A library warning as one `note:` line, without the source file and line"
+    print(f"note: {one_line(message)}", file=sys.stderr)
