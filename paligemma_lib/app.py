@@ -60,6 +60,18 @@ def message(text: str) -> str:
     return f"**{text}**" if text else ""
 
 
+def picture(label: str, elem_id: str, visible: bool = True) -> gr.Image:
+    "An image the page shows (not an input): PIL in, PNG to the browser"
+    return gr.Image(
+        label=label,
+        type="pil",
+        interactive=False,
+        format="png",
+        visible=visible,
+        elem_id=elem_id,
+    )
+
+
 def image_panel() -> SimpleNamespace:
     "Where the image comes from: an upload or a bundled example, and its preview"
     with gr.Column():
@@ -67,13 +79,7 @@ def image_panel() -> SimpleNamespace:
         example = gr.Radio(
             list(EXAMPLES), label="or a bundled example", elem_id="examples"
         )
-        preview = gr.Image(
-            label="Image",
-            type="pil",
-            interactive=False,
-            format="png",
-            elem_id="preview",
-        )
+        preview = picture("Image", "preview")
     return SimpleNamespace(upload=upload, example=example, preview=preview)
 
 
@@ -124,14 +130,7 @@ def answer_panel() -> SimpleNamespace:
     with gr.Column():
         answer = gr.Textbox(label="Answer", interactive=False, elem_id="answer")
         stats = gr.Markdown(elem_id="stats")
-        boxes = gr.Image(
-            label="Boxes",
-            type="pil",
-            interactive=False,
-            format="png",
-            visible=False,
-            elem_id="boxes",
-        )
+        boxes = picture("Boxes", "boxes", visible=False)
         receipt = gr.Code(
             label="Receipt",
             language="json",
@@ -152,13 +151,7 @@ def attention_panel(layers: int) -> SimpleNamespace:
             label="Layer (heads averaged)",
             elem_id="layer",
         )
-        attention = gr.Image(
-            label="Which image patches the token looked at",
-            type="pil",
-            interactive=False,
-            format="png",
-            elem_id="heatmap",
-        )
+        attention = picture("Which image patches the token looked at", "heatmap")
     return SimpleNamespace(token=token, layer=layer, attention=attention)
 
 

@@ -6,23 +6,21 @@ from pathlib import Path
 
 from .interrupt import ON_INTERRUPT
 from .options import (
-    DEFAULT_MODEL,
     DEVICE_HELP,
-    MODEL_HELP,
-    HelpFormatter,
+    add_model_arguments,
     check_device,
     check_model,
+    command_parser,
 )
 
 
 def add_demo_parser(commands) -> None:
-    demo = commands.add_parser(
+    demo = command_parser(
+        commands,
         "demo",
-        help="serve a web page that asks the model about images (Gradio); Ctrl-C "
-        "stops it",
-        formatter_class=HelpFormatter,
+        "serve a web page that asks the model about images (Gradio); Ctrl-C stops it",
     )
-    demo.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    add_model_arguments(demo, adapter=False)
     demo.add_argument(
         "--adapter",
         default=None,

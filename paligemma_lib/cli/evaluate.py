@@ -10,32 +10,29 @@ from pathlib import Path
 from ..processing import PaliGemmaProcessor, resolve_model_path
 from ..weights import load_pretrained, resolve_device
 from .options import (
-    ADAPTER_HELP,
     DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_MODEL,
     DEVICE_HELP,
-    MODEL_HELP,
     WORLDS,
-    HelpFormatter,
     adapter_folder,
+    add_model_arguments,
     add_quantize_argument,
     at_least,
     check_device,
     check_model,
     check_quantize,
+    command_parser,
     import_data,
     with_adapter,
 )
 
 
 def add_evaluate_parser(commands) -> None:
-    ev = commands.add_parser(
+    ev = command_parser(
+        commands,
         "evaluate",
-        help="the metrics table of a model on a world",
-        formatter_class=HelpFormatter,
+        "the metrics table of a model on a world",
     )
-    ev.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    ev.add_argument("--adapter", default=None, help=ADAPTER_HELP)
+    add_model_arguments(ev)
     ev.add_argument(
         "--world",
         required=True,

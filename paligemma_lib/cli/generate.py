@@ -17,31 +17,28 @@ from ..generation import TruncatedAnswerWarning, answer
 from ..processing import PaliGemmaProcessor, draw_boxes, load_image, parse_loc_tokens
 from ..weights import DTYPES, load_pretrained, resolve_device
 from .options import (
-    ADAPTER_HELP,
     DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_MODEL,
     DEVICE_HELP,
-    MODEL_HELP,
-    HelpFormatter,
     adapter_folder,
+    add_model_arguments,
     add_quantize_argument,
     check_device,
     check_image_arg,
     check_model,
     check_quantize,
+    command_parser,
     warning_note,
     with_adapter,
 )
 
 
 def add_generate_parser(commands) -> None:
-    gen = commands.add_parser(
+    gen = command_parser(
+        commands,
         "generate",
-        help="answer one prompt about one image",
-        formatter_class=HelpFormatter,
+        "answer one prompt about one image",
     )
-    gen.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    gen.add_argument("--adapter", default=None, help=ADAPTER_HELP)
+    add_model_arguments(gen)
     gen.add_argument(
         "--image",
         required=True,

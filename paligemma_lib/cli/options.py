@@ -78,6 +78,18 @@ QUANTIZE_HELP = (
 )
 
 
+def command_parser(commands, name: str, help: str) -> argparse.ArgumentParser:
+    "A subcommand's parser, its defaults shown in --help"
+    return commands.add_parser(name, help=help, formatter_class=HelpFormatter)
+
+
+def add_model_arguments(parser, adapter: bool = True) -> None:
+    "--model (the shipped nano by default) and, for most commands, --adapter"
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    if adapter:
+        parser.add_argument("--adapter", default=None, help=ADAPTER_HELP)
+
+
 def add_quantize_argument(parser) -> None:
     parser.add_argument(
         "--quantize", choices=("int8",), default=None, help=QUANTIZE_HELP

@@ -19,10 +19,10 @@ from ..weights import DTYPES, load_pretrained, resolve_device
 from .interrupt import ON_INTERRUPT
 from .options import (
     DEVICE_HELP,
-    HelpFormatter,
     at_least,
     check_device,
     check_model,
+    command_parser,
     device_description,
     import_data,
     parse_worlds,
@@ -32,11 +32,11 @@ LORA_DEFAULTS = {"lora_r": 8, "lora_alpha": 16.0, "lora_targets": "language"}
 
 
 def add_train_parser(commands) -> None:
-    tr = commands.add_parser(
+    tr = command_parser(
+        commands,
         "train",
-        help="train a model from scratch, or fine-tune one (every weight, or a LoRA "
+        "train a model from scratch, or fine-tune one (every weight, or a LoRA "
         "adapter), on the synthetic worlds or your own examples",
-        formatter_class=HelpFormatter,
     )
     tr.add_argument(
         "--config",
