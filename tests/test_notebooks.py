@@ -13,7 +13,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import run_book  # noqa: E402
-from setup_cell import chapters, repository_url, setup_cell  # noqa: E402
+from setup_cell import (  # noqa: E402
+    chapters,
+    is_setup_cell,
+    repository_url,
+    setup_cell,
+)
 
 CHAPTERS = chapters()
 
@@ -33,6 +38,15 @@ def test_first_code_cell_is_the_setup_cell(path):
         f"{path.name}: the first code cell is not the setup cell; "
         "run `python tools/setup_cell.py`"
     )
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_one_setup_cell_and_unique_cell_ids(path):
+    "A changed template replaces the old setup cell; no cell id is used twice"
+    chapter = cells(path)
+    assert sum(map(is_setup_cell, chapter)) == 1, f"{path.name}: setup cells"
+    ids = [c.get("id") for c in chapter]
+    assert len(ids) == len(set(ids)), f"{path.name}: repeated cell ids"
 
 
 def test_setup_cell_names_the_repository_of_config_yml():

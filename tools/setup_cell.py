@@ -50,11 +50,18 @@ def chapters() -> list[Path]:
     return sorted((ROOT / "book").glob("[0-9][0-9]*_*.ipynb"))
 
 
+def is_setup_cell(cell: dict) -> bool:
+    "The setup cell, written by this or by an older template"
+    first = "".join(cell["source"]).split("\n", 1)[0]
+    return cell.get("id") == "setup" or first == TEMPLATE.split("\n", 1)[0]
+
+
 def write(path: Path) -> None:
     "Put the title cell first and the setup cell second: the first code cell"
     nb = json.loads(path.read_text(encoding="utf-8"))
     source = setup_cell()
-    cells = [c for c in nb["cells"] if "".join(c["source"]) != source]
+    # every setup cell goes, this one and those an older template wrote
+    cells = [c for c in nb["cells"] if not is_setup_cell(c)]
     title = next(c for c in cells if c["cell_type"] == "markdown")
     cells.remove(title)
     cell = {
