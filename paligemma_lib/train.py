@@ -13,7 +13,8 @@ __all__ = ['CHECKPOINTS', 'TRAINING_STATE', 'TASKS', 'RECEIPT_FIELDS', 'MODEL_SI
            'match_boxes', 'detection_metrics', 'levenshtein',
            'character_error_rate', 'parse_receipt', 'receipt_metrics',
            'compute_metrics', 'format_metrics', 'make_evaluator',
-           'model_config']
+           'model_config', 'TrainingRun', 'training_model',
+           'device_description', 'run_training']
 
 # %% ../book/11b_training.ipynb #c003
 import contextlib
@@ -27,7 +28,7 @@ import secrets
 import shutil
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -394,21 +395,58 @@ def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
 # %% ../book/11b_training.ipynb #c037
 @dataclass
 class TrainConfig:
-    "A run's settings; `batch_size` is the global batch, over all processes"
+    """A run's settings; `batch_size` is the global batch, over all processes.
+    Each field's help is the command line's help for its option (--batch-size
+    for batch_size, ...)"""
 
-    steps: int = 1000
-    batch_size: int = 32  # examples per optimiser step, over all processes
-    accumulation: int = 1  # micro-batches per step in each process
-    lr: float = 1e-3  # the peak learning rate
-    warmup_steps: int = 100
-    # the last step's rate, as a fraction of the peak
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    max_grad_norm: float = 1.0
-    eval_every: int = 0  # steps between evaluations; 0: at the end only
-    save_every: int = 0  # steps between checkpoints; 0: at the end only
-    seed: int = 0
-    gradient_checkpointing: bool = False
+    steps: int = field(default=1000, metadata={"help": "optimiser steps"})
+    batch_size: int = field(
+        default=32, metadata={"help": "global batch (all processes)"}
+    )
+    accumulation: int = field(
+        default=1, metadata={"help": "micro-batches per step in each process"}
+    )
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    warmup_steps: int = field(
+        default=100, metadata={"help": "steps of linear warm-up"}
+    )
+    min_lr_ratio: float = field(
+        default=0.1,
+        metadata={"help": "the cosine schedule ends at this fraction of --lr"},
+    )
+    weight_decay: float = field(
+        default=0.1,
+        metadata={
+            "help": "AdamW's decoupled weight decay (not on norms, biases, "
+            "embeddings)"
+        },
+    )
+    max_grad_norm: float = field(
+        default=1.0,
+        metadata={"help": "clip the gradients' global norm to this"},
+    )
+    eval_every: int = field(
+        default=0,
+        metadata={"help": "steps between evaluations; 0: at the end only"},
+    )
+    save_every: int = field(
+        default=0,
+        metadata={"help": "steps between checkpoints; 0: at the end only"},
+    )
+    seed: int = field(
+        default=0,
+        metadata={
+            "help": "seeds the new weights, LoRA's initialisation and the "
+            "data order"
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "recompute each layer's activations in the backward pass: "
+            "less memory, one more forward pass per step"
+        },
+    )
 
     def __post_init__(self):
         at_least = {"steps": 1, "batch_size": 1, "accumulation": 1}
@@ -989,3 +1027,131 @@ def model_config(name: str, tokenizer: GemmaTokenizer) -> PaliGemmaConfig:
         image_token_index=tokenizer.image_token_id,
         projection_dim=text.hidden_size,
     )
+
+# %% ../book/11b_training.ipynb #tr02
+import platform
+
+from .data import Collator
+from .lora import LoraConfig, add_lora, count_parameters
+from .paligemma import PaliGemmaForConditionalGeneration
+from .processing import PaliGemmaProcessor, default_tokenizer_path
+from torch.utils.data import Dataset
+
+
+@dataclass
+class TrainingRun:
+    """What one training run is: the model (a new one of a named size, or a
+    trained checkpoint to fine-tune, all of it or a LoRA adapter on it), the
+    data, the settings and the output folder; `run_training` does it"""
+
+    out: Path
+    config: TrainConfig
+    train_set: Dataset
+    validation: Dataset | None = None  # evaluated every config.eval_every
+    size: str | None = None  # a new model of MODEL_SIZES[size], or...
+    model: str | Path | None = None  # ...this checkpoint folder (or "nano")
+    dtype: str | None = None  # the checkpoint's weights (default: float32)
+    lora: LoraConfig | None = None  # with `model`: train only this adapter
+    resume: bool = False  # go on from the newest checkpoint in `out`
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    workers: int = 0  # DataLoader processes building batches ahead
+    progress: bool = True
+    # what the record says the data and the command were
+    worlds: dict | None = None
+    data: str | None = None
+    command: str = ""
+
+
+def training_model(run: TrainingRun):
+    "(processor, model) to train: the checkpoint, with its adapter, or new"
+    if run.model is not None:
+        processor = PaliGemmaProcessor.from_pretrained(run.model)
+        model = load_pretrained(run.model, dtype=run.dtype or "float32")
+        if run.lora is not None:
+            add_lora(model, run.lora)
+        return processor, model
+    tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
+    settings = model_config(run.size, tokenizer)
+    processor = PaliGemmaProcessor(
+        tokenizer,
+        image_size=settings.vision.image_size,
+        num_image_tokens=settings.num_image_tokens,
+    )
+    return processor, PaliGemmaForConditionalGeneration(settings)
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    machine = platform.processor() or platform.machine()
+    return f"cpu: {machine}, {os.cpu_count()} cores"
+
+
+def run_training(run: TrainingRun, on_start=None) -> dict:
+    """Build or load the model, train it (`train`), save it (or only its
+    adapter) and training_record.json into `run.out`; the record. Every
+    process under torchrun calls it; rank 0 saves. `on_start()` runs on rank 0
+    just before the first step."""
+    rank, world_size = world()
+    torch.manual_seed(run.config.seed)
+    processor, model = training_model(run)
+    trainable, total = count_parameters(model)
+    # the workers send 8-bit levels (a quarter of float32's bytes): the model
+    # normalises them on its device (chapters 1 and 7)
+    collate = Collator(processor, pixels="uint8")
+    evaluate = None
+    if run.validation is not None:
+        evaluate = make_evaluator(
+            processor, run.validation, collate, device=run.device
+        )
+    if rank == 0 and on_start is not None:
+        on_start()
+    begin = time.time()
+    history = train(
+        model,
+        run.train_set,
+        collate,
+        run.config,
+        out_dir=run.out,
+        resume=run.resume,
+        evaluate=evaluate,
+        processor=processor,
+        device=run.device,
+        progress=run.progress,
+        workers=run.workers,
+    )
+    autocast = autocast_dtype(run.device)
+    lora = run.lora
+    record = {
+        "command": run.command,
+        "device": device_description(run.device),
+        # the 16-bit type the steps computed in (None: fp32 throughout)
+        "autocast": autocast and str(autocast).removeprefix("torch."),
+        "processes": world_size,
+        "model": run.size or str(run.model),
+        "fine-tuned from": None if run.model is None else str(run.model),
+        "lora": None
+        if lora is None
+        else {
+            "r": lora.r,
+            "alpha": lora.alpha,
+            "target_modules": lora.target_modules,
+        },
+        "parameters": {"trainable": trainable, "total": total},
+        "steps": run.config.steps,
+        "seconds": round(time.time() - begin, 1),
+        "resumed": run.resume,
+        "worlds": run.worlds,
+        "data": run.data,
+        "train_config": asdict(run.config),
+        "final_metrics": history["eval"][-1] if history["eval"] else {},
+        "history": history,
+    }
+    if rank == 0:
+        if lora is not None:
+            save_adapter(model, run.out)
+        else:
+            save_pretrained(model, run.out, processor=processor)
+        text = json.dumps(record, indent=1) + "\n"
+        (Path(run.out) / "training_record.json").write_text(text)
+    return record

@@ -4,10 +4,9 @@ worlds, the device and image checks, and the errors reported in one line."""
 
 import argparse
 import math
-import os
-import platform
 import re
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -88,6 +87,21 @@ def add_model_arguments(parser, adapter: bool = True) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     if adapter:
         parser.add_argument("--adapter", default=None, help=ADAPTER_HELP)
+
+
+def add_dataclass_options(parser, cls, required=(), overrides=None) -> None:
+    """One --option per field of the dataclass `cls`, with the field's default
+    and the help in its metadata: the one place both are written. `required`
+    fields have no default; `overrides` maps a field to (default, help)."""
+    for f in fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        default, text = (overrides or {}).get(f.name, (f.default, f.metadata["help"]))
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action="store_true", help=text)
+        elif f.name in required:
+            parser.add_argument(flag, type=type(f.default), required=True, help=text)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=default, help=text)
 
 
 def add_quantize_argument(parser) -> None:
@@ -207,12 +221,6 @@ def check_image_arg(image: str) -> None:
 
 def one_line(text) -> str:
     return " ".join(str(text).split())
-
-
-def device_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda: {torch.cuda.get_device_name(device)}"
-    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 DEFAULT_MAX_NEW_TOKENS = 64  # generate's: the longest answer of a shipped task is 41

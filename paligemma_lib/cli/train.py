@@ -4,31 +4,34 @@ worlds (chapter 11.2), fine-tune one, every weight or a LoRA adapter (chapter 12
 on the worlds or your own examples; under torchrun, on several processes."""
 
 import argparse
-import json
 import os
-import time
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from ..generation import gpu_branch
-from ..paligemma import PaliGemmaForConditionalGeneration
-from ..processing import PaliGemmaProcessor
-from ..weights import DTYPES, load_pretrained, resolve_device
+from ..lora import LoraConfig
+from ..weights import DTYPES, resolve_device
 from .interrupt import ON_INTERRUPT
 from .options import (
     DEVICE_HELP,
+    add_dataclass_options,
     at_least,
     check_device,
     check_model,
     command_parser,
-    device_description,
     import_data,
     parse_worlds,
 )
 
-LORA_DEFAULTS = {"lora_r": 8, "lora_alpha": 16.0, "lora_targets": "language"}
+# LoraConfig's rank and alpha; the command's targets are the decoder's layers
+# ("language"), where LoraConfig's default also matches SigLIP's q/k/v
+LORA_DEFAULTS = {
+    "lora_r": LoraConfig.r,
+    "lora_alpha": float(LoraConfig.alpha),
+    "lora_targets": "language",
+}
 
 
 def add_train_parser(commands) -> None:
@@ -84,32 +87,13 @@ def add_train_parser(commands) -> None:
     tr.add_argument(
         "--out", required=True, help="output folder: the model, checkpoints, record"
     )
-    tr.add_argument("--steps", type=int, required=True, help="optimiser steps")
-    tr.add_argument(
-        "--batch-size", type=int, default=32, help="global batch (all processes)"
-    )
-    tr.add_argument(
-        "--accumulation", type=int, default=1, help="micro-batches per step"
-    )
-    tr.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    tr.add_argument("--warmup-steps", type=int, default=None, help="default: steps/20")
-    tr.add_argument(
-        "--min-lr-ratio",
-        type=float,
-        default=0.1,
-        help="the cosine schedule ends at this fraction of --lr",
-    )
-    tr.add_argument(
-        "--weight-decay",
-        type=float,
-        default=0.1,
-        help="AdamW's decoupled weight decay (not on norms, biases, embeddings)",
-    )
-    tr.add_argument(
-        "--max-grad-norm",
-        type=float,
-        default=1.0,
-        help="clip the gradients' global norm to this",
+    from ..train import TrainConfig
+
+    add_dataclass_options(
+        tr,
+        TrainConfig,
+        required={"steps"},
+        overrides={"warmup_steps": (None, "default: steps/20")},
     )
     tr.add_argument(
         "--worlds",
@@ -134,20 +118,6 @@ def add_train_parser(commands) -> None:
     )
     tr.add_argument(
         "--eval-size", type=int, default=64, help="validation examples per evaluation"
-    )
-    tr.add_argument("--eval-every", type=int, default=0, help="0: at the end only")
-    tr.add_argument("--save-every", type=int, default=0, help="0: at the end only")
-    tr.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seeds the new weights, LoRA's initialisation and the data order",
-    )
-    tr.add_argument(
-        "--gradient-checkpointing",
-        action="store_true",
-        help="recompute each layer's activations in the backward pass: less "
-        "memory, one more forward pass per step",
     )
     tr.add_argument(
         "--resume",
@@ -176,8 +146,6 @@ LORA_TARGETS = {  # --lora-targets shorthands
 def lora_settings(args):
     """The LoraConfig that --lora-r, --lora-alpha and --lora-targets describe (None
     without --lora, which they must then not be given with)"""
-    from ..lora import LoraConfig
-
     given = [name for name in LORA_DEFAULTS if getattr(args, name) is not None]
     if not args.lora:
         if given:
@@ -208,19 +176,14 @@ def batch_workers(asked: int | None, device: torch.device) -> int:
 
 
 def train_command(args: argparse.Namespace, argv) -> int:
-    from ..lora import add_lora, count_parameters, save_adapter
-    from ..processing import GemmaTokenizer, default_tokenizer_path
     from ..train import (
         MODEL_SIZES,
         TrainConfig,
-        autocast_dtype,
+        TrainingRun,
         init_distributed,
         latest_checkpoint,
-        make_evaluator,
-        model_config,
-        train,
+        run_training,
     )
-    from ..weights import save_pretrained
 
     if (args.config is None) == (args.model is None):
         which = "one of them, not both" if args.config else "one of them"
@@ -241,21 +204,10 @@ def train_command(args: argparse.Namespace, argv) -> int:
         raise ValueError("--eval-data goes with --data (your own training examples)")
     at_least(args, steps=1, train_size=1, eval_size=1)
     worlds = parse_worlds(args.worlds)
-    warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 20
-    config = TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        accumulation=args.accumulation,
-        lr=args.lr,
-        warmup_steps=warmup,
-        min_lr_ratio=args.min_lr_ratio,
-        weight_decay=args.weight_decay,
-        max_grad_norm=args.max_grad_norm,
-        eval_every=args.eval_every,
-        save_every=args.save_every,
-        seed=args.seed,
-        gradient_checkpointing=args.gradient_checkpointing,
-    )
+    settings = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    if args.warmup_steps is None:
+        settings["warmup_steps"] = args.steps // 20
+    config = TrainConfig(**settings)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a folder")
@@ -288,81 +240,34 @@ def train_command(args: argparse.Namespace, argv) -> int:
             worlds=worlds, split="validation", size=args.eval_size
         )
 
-    torch.manual_seed(args.seed)
-    if args.model is not None:
-        processor = PaliGemmaProcessor.from_pretrained(args.model)
-        model = load_pretrained(args.model, dtype=args.dtype or "float32")
-        if lora is not None:
-            add_lora(model, lora)
-    else:
-        tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
-        model_settings = model_config(args.config, tokenizer)
-        processor = PaliGemmaProcessor(
-            tokenizer,
-            image_size=model_settings.vision.image_size,
-            num_image_tokens=model_settings.num_image_tokens,
-        )
-        model = PaliGemmaForConditionalGeneration(model_settings)
-    trainable, total = count_parameters(model)
-    # the workers send 8-bit levels (a quarter of float32's bytes): the model
-    # normalises them on its device (chapters 1 and 7)
-    collate = data.Collator(processor, pixels="uint8")
-    evaluate = None
-    if validation is not None:
-        evaluate = make_evaluator(processor, validation, collate, device=device)
-    if rank == 0:
+    def on_start():
+        "Rank 0, before the first step: where it resumes, what Ctrl-C says"
         if args.resume:
             step = checkpoint_step(latest_checkpoint(out))
             print(
                 f"resuming from {latest_checkpoint(out)}: step {step} of {args.steps}"
             )
         ON_INTERRUPT["message"] = lambda: interrupted_training(out, argv)
-    begin = time.time()
-    history = train(
-        model,
-        train_set,
-        collate,
-        config,
-        out_dir=out,
+
+    run = TrainingRun(
+        out=out,
+        config=config,
+        train_set=train_set,
+        validation=validation,
+        size=args.config,
+        model=args.model,
+        dtype=args.dtype,
+        lora=lora,
         resume=args.resume,
-        evaluate=evaluate,
-        processor=processor,
         device=device,
-        progress=not args.no_progress,
         workers=batch_workers(args.workers, device),
+        progress=not args.no_progress,
+        worlds=None if args.data else worlds,
+        data=args.data,
+        command="python -m paligemma_lib " + " ".join(map(str, argv)),
     )
+    run_training(run, on_start)
     if rank == 0:
-        autocast = autocast_dtype(device)
-        if lora is not None:
-            save_adapter(model, out)
-        else:
-            save_pretrained(model, out, processor=processor)
-        record = {
-            "command": "python -m paligemma_lib " + " ".join(map(str, argv)),
-            "device": device_description(device),
-            # the 16-bit type the steps computed in (None: fp32 throughout)
-            "autocast": autocast and str(autocast).removeprefix("torch."),
-            "processes": world_size,
-            "model": args.config or str(args.model),
-            "fine-tuned from": args.model,
-            "lora": None
-            if lora is None
-            else {
-                "r": lora.r,
-                "alpha": lora.alpha,
-                "target_modules": lora.target_modules,
-            },
-            "parameters": {"trainable": trainable, "total": total},
-            "steps": config.steps,
-            "seconds": round(time.time() - begin, 1),
-            "resumed": args.resume,
-            "worlds": None if args.data else worlds,
-            "data": args.data,
-            "train_config": asdict(config),
-            "final_metrics": history["eval"][-1] if history["eval"] else {},
-            "history": history,
-        }
-        (out / "training_record.json").write_text(json.dumps(record, indent=1) + "\n")
         what = "LoRA adapter" if lora is not None else "model"
         print(f"{what} and training record written to {out}")
     if world_size > 1:
