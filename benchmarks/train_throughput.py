@@ -79,8 +79,9 @@ from pathlib import Path
 import torch
 
 from paligemma_lib.data import Collator, SyntheticDataset
+from paligemma_lib.model_files import shipped_model_path
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
-from paligemma_lib.processing import PaliGemmaProcessor, shipped_model_path
+from paligemma_lib.processing import PaliGemmaProcessor
 from paligemma_lib.train import (
     StepBatches,
     TrainConfig,

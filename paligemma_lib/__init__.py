@@ -6,9 +6,10 @@
     processor = PaliGemmaProcessor.from_pretrained("path/to/checkpoint")
     answer(model, processor, "photo.jpg", "caption en")
 
-The modules follow the chapters: `processing` (images, tokenizer, processor),
-`siglip`, `gemma`, `paligemma` (the model), `kv_cache` and `generation`,
-`weights` (loading and saving checkpoints).
+The modules follow the chapters: `image_processing`, `tokenization`,
+`processing` (the processor), `model_files`, `boxes`, `siglip`, `gemma`,
+`paligemma` (the model), `kv_cache` and `generation`, `weights` (loading and
+saving checkpoints); the API reference in the book lists them all.
 """
 
 from importlib import import_module
@@ -24,9 +25,9 @@ except PackageNotFoundError:  # run from a checkout that was never installed
 _WHERE = {
     "PaliGemmaProcessor": "processing",
     "answer": "generation",
-    "draw_boxes": "processing",
+    "draw_boxes": "boxes",
     "generate": "generation",
-    "load_image": "processing",
+    "load_image": "image_processing",
     "load_pretrained": "weights",
     "save_pretrained": "weights",
 }

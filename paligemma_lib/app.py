@@ -23,6 +23,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio load
 
 import gradio as gr
 
+from .boxes import draw_boxes
 from .demo import (
     EXAMPLES,
     MAX_IMAGE_BYTES,
@@ -34,7 +35,6 @@ from .demo import (
     open_upload,
     run_task,
 )
-from .processing import draw_boxes
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 TASK_CHOICES = [

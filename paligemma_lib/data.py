@@ -23,11 +23,11 @@ from functools import cache
 from importlib.util import find_spec
 from pathlib import Path
 
+from .boxes import boxes_to_loc_string
 from paligemma_lib.processing import (
     PaliGemmaBatch,
     PaliGemmaProcessor,
     _check_pixels,
-    boxes_to_loc_string,
 )
 from PIL import Image, ImageDraw, ImageFont
 from torch.utils.data import Dataset

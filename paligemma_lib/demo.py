@@ -18,12 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from .boxes import parse_loc_tokens
 from .data import make_example
 from .gemma import apply_rotary_pos_emb, repeat_kv, soft_cap
 from .generation import generate
+from .image_processing import load_image
 from .lora import lora_modules
 from .paligemma import make_prefix_lm_mask
-from .processing import load_image, parse_loc_tokens
 from PIL import Image, UnidentifiedImageError
 
 # %% ../book/13_demo.ipynb #c008

@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .processing import load_image
+from .image_processing import load_image
 from PIL import Image
 from torch.utils.data import Dataset
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from .config import PaliGemmaConfig
 from .gemma import GemmaForCausalLM, additive_mask
-from .processing import normalize_levels
+from .image_processing import normalize_levels
 from .siglip import SiglipVisionModel
 from torch import nn
 

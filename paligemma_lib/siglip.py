@@ -23,7 +23,7 @@ def check_pixel_values(pixel_values: torch.Tensor, config: VisionConfig):
         raise ValueError(
             f"pixel_values has dtype {pixel_values.dtype}; expected floats "
             "normalised to [-1, 1] (raw 0..255 pixels would give meaningless "
-            "features): paligemma_lib.processing.process_images(images, "
+            "features): paligemma_lib.image_processing.process_images(images, "
             f"image_size={config.image_size}) makes them"
         )
     if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
@@ -31,7 +31,7 @@ def check_pixel_values(pixel_values: torch.Tensor, config: VisionConfig):
             f"pixel_values has shape {list(pixel_values.shape)}; expected "
             f"[batch, {', '.join(map(str, expected))}] for this model "
             f"(image_size={config.image_size}). "
-            "paligemma_lib.processing.process_images(images, "
+            "paligemma_lib.image_processing.process_images(images, "
             f"image_size={config.image_size}) makes them"
         )
 

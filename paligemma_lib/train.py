@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from .boxes import parse_loc_tokens
 from .config import PaliGemmaConfig, TextConfig, VisionConfig
 from paligemma_lib.generation import (
     TruncatedAnswerWarning,
@@ -47,7 +48,7 @@ from paligemma_lib.lora import (
     save_adapter,
 )
 from .paligemma import IGNORE_INDEX
-from .processing import GemmaTokenizer, parse_loc_tokens
+from .tokenization import GemmaTokenizer
 from .weights import load_pretrained, save_pretrained
 from safetensors import safe_open
 from torch import nn
@@ -1034,7 +1035,8 @@ import platform
 from .data import Collator
 from .lora import LoraConfig, add_lora, count_parameters
 from .paligemma import PaliGemmaForConditionalGeneration
-from .processing import PaliGemmaProcessor, default_tokenizer_path
+from .processing import PaliGemmaProcessor
+from .tokenization import default_tokenizer_path
 from torch.utils.data import Dataset
 
 

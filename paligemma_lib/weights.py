@@ -7,8 +7,7 @@ __all__ = ['KEY_MAP', 'EMBEDDING', 'LM_HEAD', 'SINGLE_FILE', 'INDEX_FILE', 'DTYP
            'checkpoint_files', 'stored_tensors', 'check_tensors',
            'resolve_dtype', 'resolve_device', 'skip_pooling_head',
            'check_tied_head', 'read_tensors', 'load_pretrained',
-           'write_safetensors', 'save_pretrained', 'hub_cache',
-           'cached_snapshots', 'find_real_checkpoint']
+           'write_safetensors', 'save_pretrained', 'find_real_checkpoint']
 
 # %% ../book/09_loading_real_weights.ipynb #c003
 import json
@@ -22,8 +21,13 @@ from pathlib import Path
 import torch
 from .config import PaliGemmaConfig
 from .generation import has_native_bf16, pick_device
+from paligemma_lib.model_files import (
+    cached_snapshots,
+    hub_cache,
+    read_json,
+    resolve_model_path,
+)
 from .paligemma import PaliGemmaForConditionalGeneration
-from .processing import read_json, resolve_model_path
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
@@ -557,44 +561,7 @@ def _move_in(staging: Path, folder: Path):
             os.replace(aside / name, folder / name)
         raise
 
-# %% ../book/09_loading_real_weights.ipynb #c044
-def hub_cache() -> Path:
-    """Where huggingface_hub keeps downloads: $HF_HUB_CACHE, $HF_HOME/hub or
-    the default"""
-    home = Path(
-        os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")
-    )
-    return Path(os.environ.get("HF_HUB_CACHE", home / "hub"))
-
-
-def _complete(snapshot: Path) -> bool:
-    "A snapshot with a config, a tokenizer and weights (one file or an index)"
-    names = ("config.json", "tokenizer.model")
-    return all((snapshot / name).is_file() for name in names)
-
-
-def cached_snapshots(
-    cache: Path, pattern: str = "models--google--paligemma-3b-*"
-):
-    """Complete snapshots of the repositories matching `pattern` in a Hub
-    cache: the one refs/bfloat16 names first, then refs/main's, then the others
-    """
-    found = []
-    for repo in sorted(Path(cache).glob(pattern)):
-        refs = {
-            r.name: r.read_text().strip() for r in (repo / "refs").glob("*")
-        }
-        named = [
-            refs[branch] for branch in ("bfloat16", "main") if branch in refs
-        ]
-        others = sorted(p.name for p in (repo / "snapshots").glob("*"))
-        for commit in dict.fromkeys(named + others):  # in order, once each
-            snapshot = repo / "snapshots" / commit
-            if _complete(snapshot):
-                found.append(snapshot)
-    return found
-
-
+# %% ../book/09_loading_real_weights.ipynb #c044f
 def find_real_checkpoint(variable: str = "PALIGEMMA_WEIGHTS") -> Path | None:
     """The folder named by $PALIGEMMA_WEIGHTS, else a snapshot in the Hugging
     Face cache: google/paligemma-3b-*, then google/paligemma2-3b-*, then any

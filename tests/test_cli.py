@@ -27,13 +27,10 @@ import paligemma_lib
 from paligemma_lib.__main__ import main
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
 from paligemma_lib.generation import NonFiniteLogitsError, answer
+from paligemma_lib.image_processing import load_image
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
-from paligemma_lib.processing import (
-    GemmaTokenizer,
-    PaliGemmaProcessor,
-    default_tokenizer_path,
-    load_image,
-)
+from paligemma_lib.processing import PaliGemmaProcessor
+from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
 from paligemma_lib.weights import (
     INDEX_FILE,
     load_pretrained,
@@ -583,7 +580,7 @@ def test_the_top_level_api_and_its_help():
         save_pretrained,
     )
 
-    assert draw_boxes.__module__ == "paligemma_lib.processing"
+    assert draw_boxes.__module__ == "paligemma_lib.boxes"
     for module in (paligemma_lib.generation, paligemma_lib.weights):
         assert module.__doc__ and "chapter" in module.__doc__, module
     for argument in ("images", "prompts", "max_new_tokens", "do_sample", "Returns"):
@@ -640,7 +637,7 @@ def test_evaluate_and_generate_default_to_nano():
 
 
 def test_a_local_folder_named_nano_wins(checkpoint, tmp_path, capsys, monkeypatch):
-    from paligemma_lib.processing import resolve_model_path
+    from paligemma_lib.model_files import resolve_model_path
 
     expected = run_main(capsys, checkpoint)  # the test checkpoint, given by its path
     monkeypatch.chdir(tmp_path)

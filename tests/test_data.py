@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image, ImageChops, ImageDraw
 
+from paligemma_lib.boxes import parse_loc_tokens
 from paligemma_lib.data import (
     COLOURS,
     GAP,
@@ -41,13 +42,8 @@ from paligemma_lib.data import (
     place_boxes,
     place_text,
 )
-from paligemma_lib.processing import (
-    GemmaTokenizer,
-    PaliGemmaBatch,
-    PaliGemmaProcessor,
-    default_tokenizer_path,
-    parse_loc_tokens,
-)
+from paligemma_lib.processing import PaliGemmaBatch, PaliGemmaProcessor
+from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
 
 SEEDS = SPLITS["validation"][:300]
 COLOUR = "(?:red|green|blue|yellow)"

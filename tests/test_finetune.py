@@ -24,11 +24,8 @@ from paligemma_lib.finetune import (
 )
 from paligemma_lib.lora import LoraConfig, add_lora, lora_state_dict
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
-from paligemma_lib.processing import (
-    GemmaTokenizer,
-    PaliGemmaProcessor,
-    default_tokenizer_path,
-)
+from paligemma_lib.processing import PaliGemmaProcessor
+from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
 from paligemma_lib.train import TrainConfig, train
 
 TOKENIZER = GemmaTokenizer.from_file(default_tokenizer_path())

@@ -20,14 +20,11 @@ from paligemma_lib.__main__ import main
 from paligemma_lib.config import Gemma2TextConfig, PaliGemmaConfig, VisionConfig
 from paligemma_lib.gemma import GemmaForCausalLM
 from paligemma_lib.generation import answer, generate
+from paligemma_lib.image_processing import load_image
 from paligemma_lib.lora import LoraConfig, add_lora, save_adapter
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
-from paligemma_lib.processing import (
-    GemmaTokenizer,
-    PaliGemmaProcessor,
-    default_tokenizer_path,
-    load_image,
-)
+from paligemma_lib.processing import PaliGemmaProcessor
+from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
 from paligemma_lib.weights import load_pretrained, save_pretrained
 
 # float32 on both sides, the same operations in the same order except the kernels'

@@ -18,11 +18,8 @@ from paligemma_lib.generation import (
 )
 from paligemma_lib.kv_cache import DynamicKVCache, StaticKVCache
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
-from paligemma_lib.processing import (
-    GemmaTokenizer,
-    PaliGemmaProcessor,
-    default_tokenizer_path,
-)
+from paligemma_lib.processing import PaliGemmaProcessor
+from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
 
 IMAGE = 299
 

@@ -6,9 +6,9 @@ import torch
 from PIL import Image, ImageDraw
 from torch import nn
 
-from paligemma_lib import processing
+from paligemma_lib import image_processing
 from paligemma_lib.config import VisionConfig
-from paligemma_lib.processing import (
+from paligemma_lib.image_processing import (
     load_image,
     process_images,
     resize_to_square,
@@ -337,7 +337,7 @@ def test_uint8_batch_is_the_per_image_path_bit_for_bit(resample, mean_std, monke
         raise AssertionError("images of the target size were resized one by one")
 
     with monkeypatch.context() as m:  # the uint8 path is the one taken
-        m.setattr(processing, "resize_to_square", no_resize)
+        m.setattr(image_processing, "resize_to_square", no_resize)
         fast = process_images(images, 56, *mean_std, resample)
     assert torch.equal(fast, expected) and fast.is_contiguous()
 

@@ -67,3 +67,27 @@ def test_the_module_graph_has_no_cycle():
 def test_int8_and_lora_name_the_same_decoder_projections():
     "Chapter 8.1 spells the names itself (it comes before chapter 10's LoRA)"
     assert DECODER_LINEARS == tuple(DEFAULT_TARGETS)
+
+
+MODULE_LINES, FUNCTION_LINES, COMMAND_LINES = 600, 100, 300
+
+
+def test_modules_and_functions_are_short():
+    """Issue 30: no module over 600 lines (nbdev's index `_modidx.py` is data),
+    no command module over 300, no function or method over 100"""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "_modidx.py":
+            continue
+        text = path.read_text()
+        where = path.relative_to(PACKAGE.parent)
+        limit = COMMAND_LINES if path.parent.name == "cli" else MODULE_LINES
+        if len(text.splitlines()) > limit:
+            too_long.append(f"{where}: {len(text.splitlines())} lines > {limit}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > FUNCTION_LINES:
+                    too_long.append(f"{where}: {node.name} {lines} lines")
+    assert not too_long, "\n".join(too_long)
+    assert len(list(PACKAGE.rglob("*.py"))) > 20  # the files are read

@@ -12,20 +12,21 @@ from transformers import GemmaTokenizer as ReferenceTokenizer
 from transformers import PaliGemmaProcessor as ReferenceProcessor
 from transformers import SiglipImageProcessorPil
 
-from paligemma_lib.processing import (
+from paligemma_lib.boxes import (
+    bin_to_coordinate,
+    boxes_to_loc_string,
+    coordinate_to_bin,
+    draw_boxes,
+    parse_loc_tokens,
+)
+from paligemma_lib.image_processing import to_rgb
+from paligemma_lib.processing import PaliGemmaBatch, PaliGemmaProcessor
+from paligemma_lib.tokenization import (
     IMAGE_TOKEN,
     LOC_TOKENS,
     SEG_TOKENS,
     GemmaTokenizer,
-    PaliGemmaBatch,
-    PaliGemmaProcessor,
-    bin_to_coordinate,
-    boxes_to_loc_string,
-    coordinate_to_bin,
     default_tokenizer_path,
-    draw_boxes,
-    parse_loc_tokens,
-    to_rgb,
     tokenizer_corpus,
     train_tokenizer,
 )

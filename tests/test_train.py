@@ -14,11 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from paligemma_lib.processing import (
-    GemmaTokenizer,
-    PaliGemmaProcessor,
-    default_tokenizer_path,
-)
+from paligemma_lib.processing import PaliGemmaProcessor
+from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
 from paligemma_lib.train import (
     CHECKPOINTS,
     TrainConfig,
@@ -344,8 +341,8 @@ from PIL import Image
 from safetensors.torch import save_file
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
-from paligemma_lib.processing import GemmaTokenizer, PaliGemmaProcessor
-from paligemma_lib.processing import default_tokenizer_path
+from paligemma_lib.processing import PaliGemmaProcessor
+from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
 from paligemma_lib.train import TrainConfig, init_distributed, train
 
 torch.set_num_threads(1)

@@ -10,15 +10,14 @@ from test_paligemma import tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from paligemma_lib.data import Collator, SyntheticDataset
-from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
-from paligemma_lib.processing import (
-    GemmaTokenizer,
-    PaliGemmaProcessor,
-    default_tokenizer_path,
+from paligemma_lib.image_processing import (
     image_levels,
     normalize_levels,
     process_images,
 )
+from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
+from paligemma_lib.processing import PaliGemmaProcessor
+from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
 
 
 def images(size=28):

@@ -560,11 +560,8 @@ def test_find_real_checkpoint(theirs, tmp_path, monkeypatch):
 def make_hub_cache(cache, repo="models--google--paligemma-3b-pt-224"):
     """A fake Hugging Face cache holding a tiny random PaliGemma saved by transformers,
     with chapter 6's tokenizer, laid out as snapshot_download leaves it"""
-    from paligemma_lib.processing import (
-        GemmaTokenizer,
-        PaliGemmaProcessor,
-        default_tokenizer_path,
-    )
+    from paligemma_lib.processing import PaliGemmaProcessor
+    from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
 
     tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
     config = tiny_config()
@@ -683,11 +680,8 @@ def test_finder_takes_paligemma2_snapshots_and_the_comparison_runs_on_one(
     PaliGemma 1's 3B; the chapter's comparison cell runs on a PaliGemma 2 snapshot"""
     from test_gemma2 import CONFIGS, with_tokenizer
 
-    from paligemma_lib.processing import (
-        GemmaTokenizer,
-        PaliGemmaProcessor,
-        default_tokenizer_path,
-    )
+    from paligemma_lib.processing import PaliGemmaProcessor
+    from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
 
     cache = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))

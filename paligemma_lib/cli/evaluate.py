@@ -7,7 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from ..processing import PaliGemmaProcessor, resolve_model_path
+from ..model_files import resolve_model_path
+from ..processing import PaliGemmaProcessor
 from ..weights import load_pretrained, resolve_device
 from .options import (
     DEFAULT_MAX_NEW_TOKENS,

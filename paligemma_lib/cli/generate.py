@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from ..boxes import draw_boxes, parse_loc_tokens
 from ..demo import MAX_IMAGE_PIXELS
 from ..generation import TruncatedAnswerWarning, answer
-from ..processing import PaliGemmaProcessor, draw_boxes, load_image, parse_loc_tokens
+from ..image_processing import load_image
+from ..processing import PaliGemmaProcessor
 from ..weights import DTYPES, load_pretrained, resolve_device
 from .options import (
     DEFAULT_MAX_NEW_TOKENS,

@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError
 
 from ..demo import check_image_pixels
-from ..processing import SHIPPED
+from ..model_files import SHIPPED
 from ..weights import CheckpointError, checkpoint_files
 
 BAD_INPUT = (
