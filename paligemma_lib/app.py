@@ -399,7 +399,7 @@ def launch(
 
 def serve(model_path, adapter_path=None, host="127.0.0.1", port=7860, device="auto"):
     "Load the model (and adapter) and serve the demo until Ctrl-C"
-    from .lora import load_adapter
+    from .adapters import load_adapter
     from .processing import PaliGemmaProcessor
     from .weights import load_pretrained, resolve_device
 

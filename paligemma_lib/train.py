@@ -33,6 +33,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from paligemma_lib.adapters import (
+    ADAPTER_WEIGHTS,
+    adapted_module,
+    save_adapter,
+)
 from .boxes import parse_loc_tokens
 from .config import PaliGemmaConfig, TextConfig, VisionConfig
 from paligemma_lib.generation import (
@@ -41,12 +46,7 @@ from paligemma_lib.generation import (
     gpu_branch,
     has_native_bf16,
 )
-from paligemma_lib.lora import (
-    ADAPTER_WEIGHTS,
-    adapted_module,
-    lora_modules,
-    save_adapter,
-)
+from .lora import lora_modules
 from .paligemma import IGNORE_INDEX
 from .tokenization import GemmaTokenizer
 from .weights import load_pretrained, save_pretrained

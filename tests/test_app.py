@@ -19,9 +19,9 @@ from browser import ROOT, SCREENSHOTS, block_outside, chromium
 from PIL import Image
 
 from paligemma_lib import PaliGemmaProcessor, load_pretrained
+from paligemma_lib.adapters import load_adapter
 from paligemma_lib.boxes import draw_boxes
 from paligemma_lib.demo import EXAMPLES, adapter_disabled, example_image, run_task
-from paligemma_lib.lora import load_adapter
 
 pytest.importorskip("gradio", reason="the demo extra: pip install '.[demo]'")
 STARTUP_SECONDS = 180  # importing Gradio and loading the model, on a busy machine

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from paligemma_lib.adapters import resolve_adapter_path
 from paligemma_lib.data import SPLITS, SyntheticDataset
-from paligemma_lib.lora import resolve_adapter_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))

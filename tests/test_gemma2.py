@@ -17,11 +17,12 @@ from test_generation import prompts
 from test_paligemma import IMAGE, batch
 
 from paligemma_lib.__main__ import main
+from paligemma_lib.adapters import save_adapter
 from paligemma_lib.config import Gemma2TextConfig, PaliGemmaConfig, VisionConfig
 from paligemma_lib.gemma import GemmaForCausalLM
 from paligemma_lib.generation import answer, generate
 from paligemma_lib.image_processing import load_image
-from paligemma_lib.lora import LoraConfig, add_lora, save_adapter
+from paligemma_lib.lora import LoraConfig, add_lora
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
 from paligemma_lib.processing import PaliGemmaProcessor
 from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path

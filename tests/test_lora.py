@@ -15,24 +15,26 @@ from peft.tuners.tuners_utils import check_target_module_exists
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
-from paligemma_lib.lora import (
+from paligemma_lib.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    load_adapter,
+    peft_name,
+    save_adapter,
+)
+from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
+from paligemma_lib.lora import (
     ALL_LINEAR,
     DEFAULT_TARGETS,
-    PEFT_PREFIX,
     LoraConfig,
     LoraLinear,
     add_lora,
     count_parameters,
-    load_adapter,
     lora_modules,
     lora_state_dict,
     matches,
     merge_lora,
-    peft_name,
-    save_adapter,
     unmerge_lora,
 )
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration

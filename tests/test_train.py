@@ -711,7 +711,7 @@ def test_train_lora_then_evaluate_with_the_adapter(tmp_path):
     trainable, total = record["parameters"]["trainable"], record["parameters"]["total"]
     assert 0 < trainable < total
     # the base folder is untouched; the adapter changes the model's output
-    from paligemma_lib.lora import load_adapter
+    from paligemma_lib.adapters import load_adapter
 
     model = load_pretrained(base).eval()
     ids = torch.tensor([[5] * model.config.num_image_tokens + [2, 7, 8]])
@@ -730,9 +730,9 @@ def test_train_lora_then_evaluate_with_the_adapter(tmp_path):
 
 
 def test_the_shipped_receipts_adapter_reads_a_test_receipt():
+    from paligemma_lib.adapters import load_adapter
     from paligemma_lib.data import SyntheticDataset
     from paligemma_lib.generation import answer
-    from paligemma_lib.lora import load_adapter
     from paligemma_lib.weights import load_pretrained
 
     model = load_pretrained("nano").eval()

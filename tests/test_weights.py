@@ -647,7 +647,8 @@ def test_saved_files_share_one_mode(tmp_path):
     import os
     import stat
 
-    from paligemma_lib.lora import LoraConfig, add_lora, save_adapter
+    from paligemma_lib.adapters import save_adapter
+    from paligemma_lib.lora import LoraConfig, add_lora
 
     # a fixed umask: the expected mode does not depend on the host's
     umask = os.umask(0o022)

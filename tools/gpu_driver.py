@@ -85,9 +85,9 @@ class Driver:
         `adapter` folder, if any) on the first `limit` examples of `split`, greedy,
         64 new tokens at most (a receipt's JSON is about 35), as `evaluate` grades"""
         from paligemma_lib import PaliGemmaProcessor, load_pretrained
+        from paligemma_lib.adapters import load_adapter
         from paligemma_lib.data import SyntheticDataset
         from paligemma_lib.generation import pick_device
-        from paligemma_lib.lora import load_adapter
         from paligemma_lib.train import compute_metrics, predict
 
         device, _ = pick_device()  # float32 weights: the grade, not the speed, counts

@@ -44,7 +44,7 @@ ADAPTER_HELP = (
 
 def check_model(name_or_path) -> None:
     "The checkpoint files of --model, with a hint when it names an adapter folder"
-    from ..lora import ADAPTER_CONFIG
+    from ..adapters import ADAPTER_CONFIG
 
     folder = Path(name_or_path)
     if (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file():
@@ -58,7 +58,7 @@ def check_model(name_or_path) -> None:
 
 def adapter_folder(name_or_path) -> Path:
     "The adapter folder --adapter names, checked before any model loads"
-    from ..lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, resolve_adapter_path
+    from ..adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, resolve_adapter_path
 
     folder = resolve_adapter_path(name_or_path)
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
@@ -124,7 +124,7 @@ def with_adapter(model, args, device):
     "The model with --adapter's LoRA weights added (unmerged), on `device`"
     if args.adapter is None:
         return model
-    from ..lora import load_adapter
+    from ..adapters import load_adapter
 
     load_adapter(model, adapter_folder(args.adapter))
     return model.to(device)
