@@ -432,7 +432,8 @@ def test_the_training_loop_trains_a_paligemma2_and_its_checkpoint_loads(tmp_path
     model's logits: the full model through load_pretrained, the adapter through PEFT."""
     from test_train import DATA, PROCESSOR, SMALL, TOKENIZER, collate
 
-    from paligemma_lib.train import latest_checkpoint, train
+    from paligemma_lib.resume import latest_checkpoint
+    from paligemma_lib.train import train
 
     config = with_tokenizer(CONFIGS["gqa"], TOKENIZER)
     assert PROCESSOR.num_image_tokens == config.num_image_tokens

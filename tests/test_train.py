@@ -14,33 +14,36 @@ import pytest
 import torch
 from PIL import Image
 
-from paligemma_lib.processing import PaliGemmaProcessor
-from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
-from paligemma_lib.train import (
-    CHECKPOINTS,
-    TrainConfig,
-    autocast_dtype,
+from paligemma_lib.evaluation import (
     box_iou,
     character_error_rate,
     compute_metrics,
     detection_metrics,
+    levenshtein,
+    match_boxes,
+    parse_receipt,
+    receipt_metrics,
+)
+from paligemma_lib.optimization import (
+    make_optimizer,
+    make_scheduler,
+    param_groups,
+    warmup_cosine,
+)
+from paligemma_lib.processing import PaliGemmaProcessor
+from paligemma_lib.resume import CHECKPOINTS, latest_checkpoint
+from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
+from paligemma_lib.train import (
+    TrainConfig,
+    autocast_dtype,
     epoch_order,
     global_batch,
     grad_scaler,
-    latest_checkpoint,
-    levenshtein,
-    make_optimizer,
-    make_scheduler,
-    match_boxes,
-    param_groups,
-    parse_receipt,
-    receipt_metrics,
     set_gradient_checkpointing,
     shard,
     token_loss_sum,
     train,
     training_step,
-    warmup_cosine,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

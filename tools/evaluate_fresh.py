@@ -33,7 +33,7 @@ import torch
 from paligemma_lib import PaliGemmaProcessor, load_pretrained
 from paligemma_lib.adapters import load_adapter
 from paligemma_lib.data import SyntheticDataset
-from paligemma_lib.train import compute_metrics, predict
+from paligemma_lib.evaluation import compute_metrics, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -65,7 +65,7 @@ def add_evaluate_parser(commands) -> None:
 
 
 def evaluate_command(args: argparse.Namespace, argv) -> int:
-    from ..train import compute_metrics, format_metrics, predict
+    from ..evaluation import compute_metrics, format_metrics, predict
 
     at_least(args, limit=1, batch_size=1, max_new_tokens=1)
     check_device(args.device)

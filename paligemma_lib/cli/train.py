@@ -176,14 +176,9 @@ def batch_workers(asked: int | None, device: torch.device) -> int:
 
 
 def train_command(args: argparse.Namespace, argv) -> int:
-    from ..train import (
-        MODEL_SIZES,
-        TrainConfig,
-        TrainingRun,
-        init_distributed,
-        latest_checkpoint,
-        run_training,
-    )
+    from ..resume import latest_checkpoint
+    from ..train import TrainConfig, init_distributed
+    from ..training_run import MODEL_SIZES, TrainingRun, run_training
 
     if (args.config is None) == (args.model is None):
         which = "one of them, not both" if args.config else "one of them"
@@ -282,7 +277,7 @@ def checkpoint_step(folder: Path) -> int:
 
 def interrupted_training(out: Path, argv) -> str:
     "What Ctrl-C during `train` says: the newest checkpoint and how to go on from it"
-    from ..train import latest_checkpoint
+    from ..resume import latest_checkpoint
 
     folder = latest_checkpoint(out)
     if folder is None:
