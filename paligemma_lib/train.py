@@ -34,12 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from .config import PaliGemmaConfig, TextConfig, VisionConfig
-from paligemma_lib.generation import (
-    TruncatedAnswerWarning,
-    answer,
-    gpu_branch,
-    has_native_bf16,
-)
+from .devices import gpu_branch, has_native_bf16
+from .generation import TruncatedAnswerWarning, answer
 from paligemma_lib.lora import (
     ADAPTER_WEIGHTS,
     adapted_module,

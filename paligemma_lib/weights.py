@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from .config import PaliGemmaConfig
-from .generation import has_native_bf16, pick_device
+from .devices import has_native_bf16, pick_device
 from .paligemma import PaliGemmaForConditionalGeneration
 from .processing import read_json, resolve_model_path
 from safetensors import safe_open

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 import paligemma_lib
 from paligemma_lib.__main__ import main
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
-from paligemma_lib.generation import NonFiniteLogitsError, answer
+from paligemma_lib.generation import answer
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
 from paligemma_lib.processing import (
     GemmaTokenizer,
@@ -34,6 +34,7 @@ from paligemma_lib.processing import (
     default_tokenizer_path,
     load_image,
 )
+from paligemma_lib.stopping import NonFiniteLogitsError
 from paligemma_lib.weights import (
     INDEX_FILE,
     load_pretrained,

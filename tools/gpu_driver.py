@@ -86,7 +86,7 @@ class Driver:
         64 new tokens at most (a receipt's JSON is about 35), as `evaluate` grades"""
         from paligemma_lib import PaliGemmaProcessor, load_pretrained
         from paligemma_lib.data import SyntheticDataset
-        from paligemma_lib.generation import pick_device
+        from paligemma_lib.devices import pick_device
         from paligemma_lib.lora import load_adapter
         from paligemma_lib.train import compute_metrics, predict
 
