@@ -146,7 +146,6 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_reference import ours_from_transformers_state, sharpen  # noqa: E402
 
-from paligemma_lib import generation  # noqa: E402
 from paligemma_lib.config import (  # noqa: E402
     Gemma2TextConfig,
     PaliGemmaConfig,
@@ -155,6 +154,7 @@ from paligemma_lib.config import (  # noqa: E402
 )
 from paligemma_lib.generation import generate  # noqa: E402
 from paligemma_lib.quantize import quantize_int8  # noqa: E402
+from paligemma_lib.threads import _step_timings, fastest_threads  # noqa: E402
 
 NEW_TOKENS = 32
 CONFIGS = {
@@ -403,7 +403,7 @@ def main():
                 ours, theirs, inputs, args.repeats, extras=index == 0, ways=args.ways
             )
             rate = {k: batch_size * NEW_TOKENS / v for k, v in t.items()}
-            timings = generation._step_timings.get(ours, {}).get(
+            timings = _step_timings.get(ours, {}).get(
                 (batch_size, torch.get_num_threads())
             )
             row = {
@@ -411,7 +411,7 @@ def main():
                 "batch": batch_size,
                 # ours' decoding threads: the step times generate measured, its choice
                 "step_seconds_by_threads": timings,
-                "chosen_threads": timings and generation.fastest_threads(timings),
+                "chosen_threads": timings and fastest_threads(timings),
                 "tokens_per_s": rate,
                 "warm_up_s": warm_up,
                 "same_tokens_as_ours": same,

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-from .generation import gpu_branch, has_native_bf16
+from .devices import gpu_branch, has_native_bf16
 from .optimization import make_optimizer, make_scheduler
 from .paligemma import IGNORE_INDEX
 from paligemma_lib.resume import (

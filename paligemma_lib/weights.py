@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from .config import PaliGemmaConfig
-from .generation import has_native_bf16, pick_device
+from .devices import has_native_bf16, pick_device
 from paligemma_lib.model_files import (
     cached_snapshots,
     hub_cache,

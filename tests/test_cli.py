@@ -26,10 +26,11 @@ from safetensors.torch import save_file
 import paligemma_lib
 from paligemma_lib.__main__ import main
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
-from paligemma_lib.generation import NonFiniteLogitsError, answer
+from paligemma_lib.generation import answer
 from paligemma_lib.image_processing import load_image
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
 from paligemma_lib.processing import PaliGemmaProcessor
+from paligemma_lib.stopping import NonFiniteLogitsError
 from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
 from paligemma_lib.weights import (
     INDEX_FILE,

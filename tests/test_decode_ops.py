@@ -11,8 +11,9 @@ from test_generation import model_for, prompts, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from paligemma_lib import generation
-from paligemma_lib.generation import NonFiniteLogitsError, decode_step, generate
+from paligemma_lib.generation import decode_step, generate
 from paligemma_lib.kv_cache import StaticKVCache
+from paligemma_lib.stopping import NonFiniteLogitsError
 
 # the ops by which PyTorch reads a device value back to the host (a sync on a GPU)
 SYNCS = {"_local_scalar_dense", "item", "is_nonzero"}

@@ -7,18 +7,12 @@ from hf_reference import sharpen, transformers_pair
 from PIL import Image
 
 from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
-from paligemma_lib.generation import (
-    DecodingLinear,
-    answer,
-    decoding_linears,
-    generate,
-    next_token,
-    top_k_filter,
-    top_p_filter,
-)
+from paligemma_lib.decoding_linear import DecodingLinear, decoding_linears
+from paligemma_lib.generation import answer, generate
 from paligemma_lib.kv_cache import DynamicKVCache, StaticKVCache
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
 from paligemma_lib.processing import PaliGemmaProcessor
+from paligemma_lib.sampling import next_token, top_k_filter, top_p_filter
 from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
 
 IMAGE = 299

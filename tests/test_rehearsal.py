@@ -18,7 +18,7 @@ import torch
 from test_train import stopped_and_resumed
 
 from paligemma_lib import train as train_module
-from paligemma_lib.generation import (
+from paligemma_lib.devices import (
     REHEARSAL,
     REHEARSAL_RECORD,
     gpu_branch,

@@ -10,11 +10,11 @@ import pytest
 import torch
 from test_generation import model_for, prompts, tiny_config
 
-from paligemma_lib import generation
-from paligemma_lib.generation import (
+from paligemma_lib import threads
+from paligemma_lib.generation import generate
+from paligemma_lib.threads import (
     THREAD_TIMINGS,
     fastest_threads,
-    generate,
     intra_op_threads,
     thread_candidates,
 )
@@ -65,7 +65,7 @@ def test_first_steps_are_timed_in_turns_then_the_fastest_is_kept(two_threads):
         )
     finally:
         hook.remove()
-    timings = generation._step_timings[model][(3, two_threads)]
+    timings = threads._step_timings[model][(3, two_threads)]
     assert list(timings) == [2, 1]
     assert all(len(t) == THREAD_TIMINGS for t in timings.values())
     chosen = fastest_threads(timings)
@@ -90,7 +90,7 @@ def test_the_choice_is_remembered_per_model_and_batch_size(two_threads):
     model = model_for(config)
     inputs = prompts(config, [5, 2])
     # as if measured: one thread was ten times faster
-    generation._step_timings[model] = {(2, 2): {2: [1.0, 1.0], 1: [0.1, 0.1]}}
+    threads._step_timings[model] = {(2, 2): {2: [1.0, 1.0], 1: [0.1, 0.1]}}
     seen, hook = threads_seen(model)
     try:
         generate(model, **inputs, max_new_tokens=4, eos_token_id=None, threads="auto")
@@ -101,11 +101,11 @@ def test_the_choice_is_remembered_per_model_and_batch_size(two_threads):
     # batch 2: prefill on 2 threads, every step on the remembered 1; batch 1 is new:
     # its step is timed (with 2 threads first)
     assert seen == [2, 1, 1, 1] + [2, 2]
-    assert generation._step_timings[model][(1, 2)] == {
-        2: generation._step_timings[model][(1, 2)][2],
+    assert threads._step_timings[model][(1, 2)] == {
+        2: threads._step_timings[model][(1, 2)][2],
         1: [],
     }
-    assert len(generation._step_timings[model][(1, 2)][2]) == 1
+    assert len(threads._step_timings[model][(1, 2)][2]) == 1
 
 
 def test_measuring_goes_on_across_short_calls(two_threads):
@@ -114,7 +114,7 @@ def test_measuring_goes_on_across_short_calls(two_threads):
     inputs = prompts(config, [3])
     for call in range(1, 2 * THREAD_TIMINGS + 1):  # one decoding step per call
         generate(model, **inputs, max_new_tokens=2, eos_token_id=None, threads="auto")
-        timings = generation._step_timings[model][(1, 2)]
+        timings = threads._step_timings[model][(1, 2)]
         assert sum(map(len, timings.values())) == call
     assert all(len(t) == THREAD_TIMINGS for t in timings.values())
 
@@ -134,7 +134,7 @@ def test_nothing_is_measured_when_the_count_is_given_or_steps_differ(two_threads
         generate(model, **inputs, max_new_tokens=5, eos_token_id=None, **kw)
     finally:
         hook.remove()
-    assert model not in generation._step_timings
+    assert model not in threads._step_timings
     # the prefill, then 4 steps (each a whole forward pass with cache="none")
     prefill = 1 if way == "one thread" else 2
     steps = 1 if way in ("threads", "one thread") else 2
@@ -203,7 +203,7 @@ def test_by_default_the_steps_keep_torchs_count_and_give_the_same_outputs(two_th
         finally:
             for hook in hooks:
                 hook.remove()
-        assert seen == [two_threads] * 8 and model not in generation._step_timings
+        assert seen == [two_threads] * 8 and model not in threads._step_timings
         runs.append((tokens, logits))
     (tokens, logits), (again, logits_again) = runs
     assert torch.equal(tokens, again) and len(logits) == len(logits_again) == 8
@@ -269,5 +269,5 @@ def test_concurrent_auto_calls_share_the_timings_safely(two_threads):
         w.join()
     assert not errors and len(results) == 2
     assert all(torch.equal(r, expected) for r in results)
-    timings = generation._step_timings[model][(2, two_threads)]
+    timings = threads._step_timings[model][(2, two_threads)]
     assert all(timings.values())  # every count was timed

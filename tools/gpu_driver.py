@@ -87,8 +87,8 @@ class Driver:
         from paligemma_lib import PaliGemmaProcessor, load_pretrained
         from paligemma_lib.adapters import load_adapter
         from paligemma_lib.data import SyntheticDataset
+        from paligemma_lib.devices import pick_device
         from paligemma_lib.evaluation import compute_metrics, predict
-        from paligemma_lib.generation import pick_device
 
         device, _ = pick_device()  # float32 weights: the grade, not the speed, counts
         model = load_pretrained(folder, device=device).eval()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..generation import gpu_branch
+from ..devices import gpu_branch
 from ..lora import LoraConfig
 from ..weights import DTYPES, resolve_device
 from .interrupt import ON_INTERRUPT
