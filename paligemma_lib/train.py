@@ -461,18 +461,18 @@ def train(
 
     out_dir: where checkpoints go (out_dir/checkpoints/step-N), every
         config.save_every steps and at the end; None: no checkpoints.
-    resume: continue from the newest checkpoint of out_dir. evaluate:
-    evaluate(model) -> dict of numbers, every config.eval_every steps and at
-        the end (process 0 only), e.g. from `make_evaluator`.
+    resume: continue from the newest checkpoint of out_dir.
+    evaluate: evaluate(model) -> dict of numbers, every config.eval_every
+        steps and at the end (process 0 only), e.g. from `make_evaluator`.
     processor: saved into each checkpoint, so that it is a complete model
-    folder. device: where the model trains (`autocast_dtype`: bf16, or fp16
-    with a gradient
-        scaler, on CUDA; fp32 elsewhere).
+        folder.
+    device: where the model trains (`autocast_dtype`: bf16, or fp16 with a
+        gradient scaler, on CUDA; fp32 elsewhere).
     on_step: on_step(step, loss) after each step, e.g. to stop a run early.
     workers: processes that build batches ahead of the loop (0: build each in
-    this
-        process when it is needed); the batches, and so the weights, are the
-        same.
+        this process when it is needed); the batches, and so the weights, are
+        the same.
+
     Under torchrun (`init_distributed` called) the model is wrapped in
     DistributedDataParallel and each process takes its share of every global
     batch. Returns the history: lists "step", "loss", "lr", "grad_norm" and
