@@ -40,7 +40,8 @@ HALF = (torch.bfloat16, torch.float16)  # the activations the CPU kernel takes
 
 class Int8Linear(nn.Module):
     """A Linear layer with int8 weights, one scale per output channel:
-    y = (x @ q^T) * scale + bias, computed in x's dtype"""
+    y = (x @ q^T) * scale + bias, computed in x's dtype (float32 on a CPU:
+    bfloat16 activations, see `route`)"""
 
     def __init__(
         self, in_features, out_features, bias=False, dtype=None, device=None
@@ -62,6 +63,9 @@ class Int8Linear(nn.Module):
             if bias
             else None
         )
+        # the kernel's scales for float32 activations (see route): a plain
+        # CPU tensor, not a buffer, so neither state nor moved by .to()
+        self.unit_scale = torch.ones(out_features, dtype=torch.bfloat16)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
@@ -89,30 +93,43 @@ class Int8Linear(nn.Module):
             * self.weight_scale[:, None]
         )
 
+    def route(self, x: torch.Tensor) -> str:
+        """How forward multiplies x: "int8 kernel" (a CPU, 16-bit x and scales
+        of x's dtype), "int8 kernel, bfloat16" (a CPU, float32 x: rounded to
+        bfloat16 for the kernel, the scale applied in float32 after it) or
+        "cast" (cast_product: a GPU, float64, or widths the kernel cannot
+        take: it needs a multiple of 16 inputs, and crashes on others)"""
+        if x.device.type != "cpu" or self.in_features % 16:
+            return "cast"
+        if x.dtype == self.weight_scale.dtype in HALF:
+            return "int8 kernel"
+        return "int8 kernel, bfloat16" if x.dtype == torch.float32 else "cast"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            x.device.type == "cpu"
-            and x.dtype == self.weight_scale.dtype in HALF
-            # the kernel's blocks (else it crashes)
-            and self.in_features % 16 == 0
-        ):
-            # PyTorch's weight-only int8 kernel: it reads the codes as they are
-            rows = x.reshape(-1, self.in_features).contiguous()  # [M, in]
-            y = torch._weight_int8pack_mm(
-                rows, self.weight_int8, self.weight_scale
-            )
-            y = y.reshape(*x.shape[:-1], self.out_features)
+        route = self.route(x)
+        if route == "int8 kernel":
+            y = self.kernel_product(x, self.weight_scale)
+        elif route == "int8 kernel, bfloat16":
+            x_bf16 = x.to(torch.bfloat16)
+            y = self.kernel_product(x_bf16, self.unit_scale)  # the sum, bf16
+            y = y.to(x.dtype) * self.weight_scale.to(x.dtype)
         else:
             y = self.cast_product(x)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
+    def kernel_product(self, x: torch.Tensor, scale: torch.Tensor):
+        """PyTorch's weight-only int8 kernel on the CPU: x's rows times the
+        codes as they are, summed in float32, times scale, in x's dtype"""
+        rows = x.reshape(-1, self.in_features).contiguous()  # [M, in]
+        y = torch._weight_int8pack_mm(rows, self.weight_int8, scale)
+        return y.reshape(*x.shape[:-1], self.out_features)  # [.., out]
+
     def cast_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ (q * scale)^T through the codes cast to x's dtype: the route of
-        a GPU, of float32, and of widths the CPU kernel does not take. The
-        scale is per output, so it comes out of the sum onto the output, except
-        in float16: there the sum of x times codes up to 127 would be
-        127/max|W| times the output and overflow, so the codes are scaled
-        first, a weight of the output's size"""
+        """x @ (q * scale)^T through the codes cast to x's dtype (a copy of
+        the weight each call). The scale is per output, so it comes out of the
+        sum onto the output, except in float16: there the sum of x times codes
+        up to 127 would be 127/max|W| times the output and overflow, so the
+        codes are scaled first, a weight of the output's size"""
         codes, scale = (
             self.weight_int8.to(x.dtype),
             self.weight_scale.to(x.dtype),
@@ -120,6 +137,21 @@ class Int8Linear(nn.Module):
         if x.dtype == torch.float16:
             return F.linear(x, codes.mul_(scale[:, None]))  # [.., out]
         return F.linear(x, codes) * scale  # [.., out]
+
+    def _apply(self, fn, recurse=True):
+        # what .to(dtype), .half(), .float() and .to(device) run on each
+        # tensor: a device is free to change, the scales' dtype is not
+        old = self.weight_scale
+        new = fn(torch.empty(0, dtype=old.dtype, device=old.device)).dtype
+        if new != old.dtype:
+            raise ValueError(
+                f"an int8 layer's scales cannot change dtype ({old.dtype} "
+                f"-> {new}): the codes were chosen for these scales, and "
+                "rounded ones would move a weight by more than half a step; "
+                "choose the dtype first, then quantise (load_pretrained("
+                "path, dtype=..., quantize='int8'))"
+            )
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (

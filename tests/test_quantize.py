@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from test_weights import tiny_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paligemma_lib import PaliGemmaProcessor, load_pretrained, save_pretrained
 from paligemma_lib.data import SyntheticDataset
@@ -218,9 +219,10 @@ def test_save_pretrained_refuses_an_int8_model(tmp_path):
 
 @pytest.mark.parametrize("n", [320, 300])  # the kernel's inputs: multiples of 16
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_16_bit_activations_on_a_cpu_take_the_int8_kernel(dtype, n, monkeypatch):
-    """The kernel reads the codes; the cast route elsewhere (float32, or a width the
-    kernel cannot take: it would crash the process); both the exact sum, rounded"""
+def test_activations_on_a_cpu_take_the_int8_kernel(dtype, n, monkeypatch):
+    """The kernel reads the codes (float32 activations rounded to bfloat16 for it);
+    the cast route where the width is one the kernel cannot take (it would crash the
+    process); both the exact sum, rounded"""
     torch.manual_seed(0)
     linear = nn.Linear(n, 40, bias=True)
     with torch.no_grad():
@@ -234,7 +236,7 @@ def test_16_bit_activations_on_a_cpu_take_the_int8_kernel(dtype, n, monkeypatch)
     x = torch.randn(2, 3, n).to(dtype)  # [B, S, in]: rows flattened for the kernel
     with torch.no_grad():
         y = layer(x)
-    assert calls == ([] if dtype == torch.float32 or n % 16 else [1])
+    assert calls == ([] if n % 16 else [1])
     assert y.shape == (2, 3, 40) and y.dtype == dtype
     q64 = layer.weight_int8.double() * layer.weight_scale.double()[:, None]
     b64 = layer.bias.double()
@@ -244,7 +246,101 @@ def test_16_bit_activations_on_a_cpu_take_the_int8_kernel(dtype, n, monkeypatch)
     # float32 accumulation of n products, then up to three roundings in `dtype`
     # (the product's output, the scaling, the bias)
     allowed = (n * 2.0**-24 + 3 * u[dtype]) * size
+    if dtype == torch.float32 and n % 16 == 0:
+        # x rounded to bfloat16, the float32 sum rounded to bfloat16, then the
+        # scaling and the bias in float32
+        c = (1 + 2.0**-8) ** 2 * (1 + gamma(n, U32)) * (1 + U32) ** 2 - 1
+        allowed = c * size
     assert ((y.double() - exact).abs() <= allowed).all()
+
+
+class FloatOutputs(TorchDispatchMode):
+    "Records the shape of every floating-point tensor an operation returns"
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.shapes.append((str(func), tuple(t.shape)))
+        return out
+
+
+def weight_sized(shapes, layer) -> list:
+    "The recorded tensors as large as the layer's weight"
+    return [
+        (op, shape)
+        for op, shape in shapes
+        if torch.Size(shape).numel() >= layer.out_features * layer.in_features
+    ]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_on_a_cpu_never_builds_a_float_weight(bias):
+    """Issue 33: the cast route wrote a float32 copy of the whole weight on every
+    call (about 15x nn.Linear's time at Gemma-2B widths). No timing: no operation of
+    a float32 forward may return a floating-point tensor as large as the weight. The
+    recorder is shown to see such a copy: cast_product's"""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 320, bias=bias)  # multiples of 16, as Gemma's widths
+    layer = Int8Linear.from_linear(linear)
+    x = torch.randn(2, 256)  # [tokens, in]: fewer elements than the weight
+    with torch.no_grad(), FloatOutputs() as seen:
+        y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (2, 320)
+    assert layer.route(x) == "int8 kernel, bfloat16"
+    assert weight_sized(seen.shapes, layer) == [], seen.shapes
+    with torch.no_grad(), FloatOutputs() as cast:
+        layer.cast_product(x)
+    assert weight_sized(cast.shapes, layer)  # the copy the route above avoids
+
+
+def test_float32_int8_model_never_builds_a_float_weight():
+    "The same through a whole float32 model's forward: no decoder weight in float"
+    model = tiny_model()
+    quantize_int8(model)
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    weights = {(m.out_features, m.in_features) for m in layers}
+    with torch.no_grad(), FloatOutputs() as seen:
+        logits = model(**inputs(model.config)).logits
+    assert torch.isfinite(logits).all()
+    routes = {m.route(torch.ones(1, m.in_features)) for m in layers}
+    assert routes == {"int8 kernel, bfloat16"}  # the tiny widths: multiples of 16
+    copies = [(op, s) for op, s in seen.shapes if s in weights]
+    assert copies == [], copies[:3]
+
+
+def test_a_dtype_change_after_quantising_is_refused():
+    """Issue 33: .to(bfloat16) after quantising rounded the scales again, without
+    the step up, so a weight could move by about a step. Without the refusal, the
+    bound below fails: rounded scales move a code-127 weight by up to 127 * 2^-8 of
+    a step beyond its half step"""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 512, bias=False)
+    w = linear.weight.detach().clone()
+    layer = Int8Linear.from_linear(linear)
+    with pytest.raises(
+        ValueError, match=r"float32 -> torch.bfloat16\): .* choose the "
+    ):
+        layer.to(torch.bfloat16)
+    scale = layer.weight_scale
+    assert scale.dtype == torch.float32
+    step = scale.double()[:, None]
+    error = (layer.weight_int8.double() * step - w.double()).abs()
+    assert (error <= step * (0.5 + 127 * U32)).all()
+    # what the change would have done
+    rounded = scale.to(torch.bfloat16).double()[:, None]
+    moved = (layer.weight_int8.double() * rounded - w.double()).abs()
+    assert (moved > rounded * (0.5 + 127 * U32)).any()
+    model = tiny_model()
+    quantize_int8(model)
+    for change in (lambda m: m.half(), lambda m: m.to(torch.bfloat16)):
+        with pytest.raises(ValueError, match="then quantise"):
+            change(model)
+    assert layer.to("cpu") is layer and layer.to(torch.float32) is layer
 
 
 def fp16_bound(x: torch.Tensor, layer: Int8Linear) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,3 +49,16 @@ def test_the_readme_speed_sentence_is_the_record():
     assert f"compiled: {ours:.2f} ms a step at batch 1" in readme
     assert f"{best['ms_per_step'] / ours:.2f} times as fast as" in readme
     assert parts["device"].startswith("NVIDIA H100") and "NVIDIA H100" in readme
+
+
+def test_the_int8_figures_say_at_which_widths_they_hold():
+    """Issue 33: measured 512 wide, where a layer's weights stay in the CPU's caches;
+    a reader must not carry them to PaliGemma's 2048"""
+    page = " ".join(speed_page.PAGE.read_text().split())
+    section = page[page.index("## int8 weights on a CPU") :]
+    section = section[: section.index("## ", 3)]
+    for name in (speed_page.INT8_FP32, speed_page.INT8_BF16):
+        rows = json.loads((speed_page.RESULTS / name).read_text())["rows"]
+        assert {row["config"] for row in rows} == {speed_page.MID}
+    assert speed_page.MID in section and "the decoder 512 wide" in section
+    assert "at PaliGemma's (2048 wide, MLP 16,384) they are unmeasured" in section

@@ -27,6 +27,7 @@ CPU_QUIET = "cpu-mid-20261123-1925.json"
 CPU_BUSY = "cpu-mid-busy1-20261123-1926.json"
 INT8_FP32 = "cpu-mid-20261123-2000.json"
 INT8_BF16 = "cpu-mid-bf16-20261123-2000.json"
+MID = "mid (vision 256x4 @112px, text 512x4, vocab 8192)"  # the int8 records' config
 DATA_PIPELINE = "train-cpu-20261123-1958.json"
 NANO_CPU = "nano-cpu-run-f901a61.json"
 NANO_GPU = ROOT / "paligemma_lib" / "assets" / "nano" / "training_record.json"
@@ -243,12 +244,25 @@ def cpu_int8() -> str:
                 ]
             )
     machine = f"2-core CPU, PyTorch {fp32['torch']}"
+    configs = {part["config"] for run in (fp32, bf16) for part in run["rows"]}
+    assert configs == {MID}, configs  # the widths the text below names
     return "\n\n".join(
         [
             "## int8 weights on a CPU",
             "Chapter 8.1's weight-only int8 decoding against the same model in its "
-            "own dtype: tokens per second, mid configuration.",
+            f"own dtype: tokens per second, at the mid configuration's widths only "
+            f"(`{MID}`: the decoder 512 wide, its MLP 2048), where a layer's "
+            "float32 weight is at most 4 MB and stays in the CPU's caches.",
             table(["activations", "batch", "ours", "ours, int8", "ratio"], rows),
+            "These ratios are the mid widths'; at PaliGemma's (2048 wide, MLP "
+            "16,384) they are unmeasured and need not hold. The float32 rows were "
+            "measured with the route of the time, which cast the codes to a "
+            "float32 copy of the weight on every call: at "
+            "those widths that copy made int8 many times slower than float32 "
+            "(issue 33). Float32 activations now go through the int8 kernel, "
+            "rounded to bfloat16 (chapter 8.1). There is no figure at 2B widths "
+            "yet: `benchmarks/generate.py --only 3b --batches 1 --ways ours "
+            "'ours, int8'` measures one, to be run on a quiet machine.",
             source(INT8_FP32, machine, fp32["command"]),
             source(INT8_BF16, machine, bf16["command"]),
         ]
