@@ -2,6 +2,8 @@
 its equations, the loader's checks on big_vision's `vae-oid.npz` layout, and
 `segment` answers decoded to masks."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,10 @@ from paligemma_lib.segmentation import (
     MaskVAE,
     code_usage,
     load_mask_vae,
+    mask_to_64,
     parse_segments,
+    segment_answer,
+    segment_scene,
 )
 
 
@@ -377,3 +382,70 @@ def test_encode_and_decode_refuse_wrong_shapes():
         vae.encode(torch.zeros(1, 32, 32))
     with pytest.raises(ValueError, match=r"codes \[B, 16\]"):
         vae.decode(torch.zeros(1, 15, dtype=torch.long))
+
+
+# --- the segmentation world ---------------------------------------------------
+
+
+def test_scenes_are_exact_and_deterministic():
+    from paligemma_lib.data import COLOURS
+
+    for seed in (0, 5, 123456789):
+        scene = segment_scene(seed)
+        again = segment_scene(seed)
+        assert scene.image.tobytes() == again.image.tobytes()
+        assert torch.equal(scene.masks, again.masks)
+        pixels = np.array(scene.image)
+        masks = scene.masks.numpy()
+        assert (masks.sum(0) <= 1).all()
+        for colour, mask, (x0, y0, x1, y1) in zip(scene.colours, masks, scene.boxes):
+            assert (pixels[mask] == COLOURS[colour]).all()
+            ys, xs = np.nonzero(mask)
+            assert (x0, y0, x1, y1) == (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1)
+        assert segment_scene(seed + 1).image.tobytes() != scene.image.tobytes()
+
+
+def test_scene_seed_errors():
+    with pytest.raises(ValueError, match="must be an int"):
+        segment_scene(-1)
+    with pytest.raises(ValueError, match="must be an int"):
+        segment_scene(1.0)
+
+
+def test_mask_to_64():
+    full = torch.ones(100, 100, dtype=torch.bool)
+    # shrinking averages ones with weights that sum to 1 in float32: a few
+    # roundings of 2^-24 each
+    ones = mask_to_64(full, (10, 20, 90, 70))
+    torch.testing.assert_close(ones, torch.ones(64, 64), rtol=0, atol=1e-6)
+    mask = torch.rand(200, 200) > 0.5
+    # a 64 x 64 box is copied as it is
+    assert torch.equal(mask_to_64(mask, (5, 7, 69, 71)), mask[7:71, 5:69].float())
+
+
+def test_segment_answer_round_trip(vae):
+    scene = next(
+        s for s in map(segment_scene, range(100)) if s.labels.count("triangle") == 2
+    )
+    text = segment_answer(scene, "triangle", vae)
+    assert text.count(" ; ") == 1
+    decoded = parse_segments(text, 224, 224, vae)
+    mine = [b for b, k in zip(scene.boxes, scene.labels) if k == "triangle"]
+    assert [s.label for s in decoded] == ["triangle", "triangle"]
+    for segment, box in zip(decoded, mine):
+        assert max(abs(a - b) for a, b in zip(segment.box, box)) <= 224 / 1023 / 2
+    crops = torch.stack(
+        [
+            mask_to_64(m, b)
+            for m, b, k in zip(scene.masks, scene.boxes, scene.labels)
+            if k == "triangle"
+        ]
+    )
+    with torch.no_grad():
+        codes = vae.encode(crops)
+    assert [s.text.count("<seg") for s in decoded] == [16, 16]
+    seg = [int(c) for c in re.findall(r"<seg(\d{3})>", text)]
+    assert seg == codes.flatten().tolist()
+    absent = next(k for k in ("circle", "square") if k not in scene.labels)
+    with pytest.raises(ValueError, match=f"has no {absent}"):
+        segment_answer(scene, absent, vae)
