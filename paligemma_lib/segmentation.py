@@ -24,8 +24,9 @@ from .tokenization import SEG_TOKENS
 from PIL import Image, ImageDraw
 
 __doc__ = """Masks as PaliGemma writes them (chapter 12.1): the mask VQ-VAE of
-big_vision's `vae-oid.npz` (`MaskVAE`, `load_mask_vae`) and `segment`
-answers decoded to boolean masks (`parse_segments`)."""
+big_vision's `vae-oid.npz` (`MaskVAE`, `load_mask_vae`), `segment` answers
+decoded to boolean masks (`parse_segments`), and the segmentation world
+(`segment_scene`, `segment_answer`)."""
 
 # %% ../book/12b_segmentation.ipynb #s009
 NUM_SEG_CODES = len(SEG_TOKENS)  # 128 codes in the codebook
@@ -255,7 +256,7 @@ def parse_segments(text: str, width: int, height: int, vae: MaskVAE):
     """A `segment` answer -> [Segment], one per object in the answer's order;
     objects that are not 4 <loc>, 16 <seg> and a label are kept as invalid"""
     pieces = [p for p in text.split(";") if p.strip()]
-    parsed = []  # (piece, label, float box, whole box, codes) or None
+    parsed = []  # per piece: (label, box in pixels, 16 codes) or None
     for piece in pieces:
         match = _SEGMENT.fullmatch(piece)
         if match is None:
