@@ -213,6 +213,11 @@ def train_command(args: argparse.Namespace, argv) -> int:
             f"--out {out} holds the checkpoints of a run: add --resume to continue it, "
             "or choose another folder"
         )
+    if config.fsdp and (args.resume or config.save_every or lora is not None):
+        raise ValueError(
+            "--fsdp writes no checkpoints yet and shards no LoRA adapter: leave out "
+            "--resume, --save-every and --lora, or --fsdp"
+        )
     check_device(args.device)
     if args.model is not None:
         check_model(args.model)
