@@ -61,12 +61,16 @@ config = TrainConfig(
     steps=4, batch_size=8, accumulation=2, lr=1e-2, warmup_steps=1, fsdp=fsdp,
     gradient_checkpointing=fsdp,
 )
-history = train(model, ColourDataset(32), collate, config, progress=False)
+device = os.environ.get("TRAIN_DEVICE", "cpu")
+history = train(
+    model, ColourDataset(32), collate, config, progress=False, device=device
+)
 final = gathered_model(model) if fsdp else model
 if rank == 0:
     save_file(dict(final.named_parameters()), sys.argv[1])
     with open(sys.argv[1] + ".json", "w") as f:
-        json.dump({"loss": history["loss"], "grad_norm": history["grad_norm"]}, f)
+        json.dump({"loss": history["loss"], "grad_norm": history["grad_norm"],
+                   "scaler": training.grad_scaler(device).is_enabled()}, f)
 """
 
 
@@ -156,6 +160,23 @@ def test_fsdp_one_process_equals_plain(tmp_path):
     one, one_history = torchrun(tmp_path, 1, "plain")
     sharded, sharded_history = torchrun(tmp_path, 1, "fsdp")
     assert_same_run(one, one_history, sharded, sharded_history)
+
+
+def test_fsdp_on_a_rehearsed_t4_scales_fp16_losses(tmp_path):
+    """The T4's branch (fp16 autocast and the loss scaler, no cast by FSDP) on the CPU
+    standing in for one: 2 sharded processes against 1 plain fp32 process"""
+    one, one_history = torchrun(tmp_path, 1, "plain")
+    t4 = {"PALIGEMMA_REHEARSE_GPU": "t4", "TRAIN_DEVICE": "cpu:0"}
+    two, two_history = torchrun(tmp_path, 2, "fsdp", **t4)
+    assert two_history["scaler"] and not one_history["scaler"]
+    # fp16 autocast rounds each layer's output to fp16 (2^-11 ~ 4.9e-4 relative), some
+    # ten roundings on the way through 3 layers forward and back: within 1e-2 of fp32
+    # (a gradient summed instead of averaged would be 2x)
+    assert math.isclose(
+        two_history["grad_norm"][0], one_history["grad_norm"][0], rel_tol=1e-2
+    )
+    for a, b in zip(one_history["loss"], two_history["loss"]):
+        assert math.isclose(a, b, rel_tol=1e-2), (one_history, two_history)
 
 
 # --- the policy and the errors, in this process (no process group) ---

@@ -270,7 +270,7 @@ def train_command(args: argparse.Namespace, argv) -> int:
     if rank == 0:
         what = "LoRA adapter" if lora is not None else "model"
         print(f"{what} and training record written to {out}")
-    if world_size > 1:
+    if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0
 
