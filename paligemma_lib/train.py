@@ -343,7 +343,9 @@ def _check_resumable(
 ):
     "A checkpoint continues only the run it came from"
     changeable = {"eval_every", "save_every"}
-    stored, asked = state["config"], asdict(config)
+    # a setting newer than the checkpoint (e.g. fsdp) was at its default
+    stored = asdict(TrainConfig()) | state["config"]
+    asked = asdict(config)
     differ = [
         k for k in asked if k not in changeable and stored.get(k) != asked[k]
     ]

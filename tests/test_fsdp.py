@@ -288,3 +288,17 @@ def test_train_fsdp_bad_flags_are_one_line(tmp_path, flags, words):
     if "--model" not in flags:
         args += ["--config", "tiny"]
     one_error_line(cli("train", *args, *flags), *words)
+
+
+def test_a_checkpoint_from_before_fsdp_still_resumes():
+    "A checkpoint's settings without the fsdp field: it was off (the default)"
+    from dataclasses import asdict
+
+    from paligemma_lib.train import _check_resumable
+
+    config = TrainConfig(steps=2, batch_size=4, warmup_steps=0)
+    old = {k: v for k, v in asdict(config).items() if k != "fsdp"}
+    _check_resumable({"config": old, "num_examples": 8}, config, 8, "ckpt")
+    sharded = TrainConfig(steps=2, batch_size=4, warmup_steps=0, fsdp=True)
+    with pytest.raises(ValueError, match="fsdp: False -> True"):
+        _check_resumable({"config": old, "num_examples": 8}, sharded, 8, "ckpt")
