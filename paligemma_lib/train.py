@@ -26,15 +26,15 @@ from paligemma_lib.resume import (
     load_checkpoint,
     save_checkpoint,
 )
+from .sharding import data_parallel, gradient_sync
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 __doc__ = """Training (chapter 11): the loss on the suffix, the data order, the
 step (gradient accumulation and clipping, autocast), gradient checkpointing,
 the loop (AdamW and its schedule from `optimization`, resuming from a
-checkpoint of `resume`) and DDP under torchrun."""
+checkpoint of `resume`) and, under torchrun, DDP or FSDP (`sharding`)."""
 
 # %% ../book/11b_training.ipynb #c011
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -147,10 +147,10 @@ def training_step(
     """One optimiser step over this process's micro-batches (PaliGemmaBatch
     with labels). The loss is the mean over all answer tokens of the global
     batch, so k micro-batches give the gradient of one batch k times as large.
-    `model` may be wrapped in DistributedDataParallel. scaler:
-    `grad_scaler(device)`, kept across steps (fp16 autocast); None: no loss
-    scaling. -> (the global batch's loss, the gradient norm before clipping;
-    inf when an fp16 step overflowed and was skipped)"""
+    `model` may be wrapped in DistributedDataParallel or sharded by FSDP.
+    scaler: `grad_scaler(device)`, kept across steps (fp16 autocast); None: no
+    loss scaling. -> (the global batch's loss, the gradient norm before
+    clipping; inf when an fp16 step overflowed and was skipped)"""
     model.train()
     if scaler is None:
         scaler = torch.amp.GradScaler(torch.device(device).type, enabled=False)
@@ -168,14 +168,11 @@ def training_step(
     for i, batch in enumerate(micro_batches):
         batch = batch.to(device)
         last = i == len(micro_batches) - 1
-        no_sync = getattr(model, "no_sync", None)
-        with (
-            contextlib.nullcontext() if last or no_sync is None else no_sync()
-        ):
+        with gradient_sync(model, sync=last):  # accumulate locally before
             with autocast(device):
                 logits = _forward_logits(model, batch)  # [B, S, V]
             loss = token_loss_sum(logits, batch.labels) / count
-            # DDP averages over processes
+            # DDP and FSDP average over processes
             scaler.scale(loss * world_size).backward()
         total += loss.detach()
     if world_size > 1:
@@ -275,6 +272,13 @@ class TrainConfig:
             "less memory, one more forward pass per step"
         },
     )
+    fsdp: bool = field(
+        default=False,
+        metadata={
+            "help": "under torchrun, shard the weights, gradients and AdamW's "
+            "state across the processes (FSDP2) instead of copying them (DDP)"
+        },
+    )
 
     def __post_init__(self):
         at_least = {"steps": 1, "batch_size": 1, "accumulation": 1}
@@ -322,8 +326,9 @@ def world() -> tuple[int, int]:
 def init_distributed() -> tuple[int, int]:
     """Join the process group that torchrun describes in the environment (RANK,
     WORLD_SIZE, MASTER_ADDR, ...): NCCL on CUDA, one GPU per process, gloo on
-    the CPU. -> (rank, world_size); (0, 1) when not started by torchrun"""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    the CPU; one process too (FSDP needs a group). -> (rank, world_size);
+    (0, 1) when not started by torchrun"""
+    if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
         return world()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -338,7 +343,9 @@ def _check_resumable(
 ):
     "A checkpoint continues only the run it came from"
     changeable = {"eval_every", "save_every"}
-    stored, asked = state["config"], asdict(config)
+    # a setting newer than the checkpoint (e.g. fsdp) was at its default
+    stored = asdict(TrainConfig()) | state["config"]
+    asked = asdict(config)
     differ = [
         k for k in asked if k not in changeable and stored.get(k) != asked[k]
     ]
@@ -356,6 +363,17 @@ def _check_resumable(
             f"cannot resume from {folder}: its dataset held "
             f"{state['num_examples']} examples, this one {num_examples}; the "
             "data order would differ"
+        )
+
+
+def _check_run(config: TrainConfig, out_dir, resume: bool, workers):
+    "One line for each setting `train` refuses"
+    if not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"workers={workers!r}: it must be an integer >= 0")
+    if config.fsdp and (out_dir is not None or resume):
+        raise ValueError(
+            "train(fsdp=True) writes no checkpoints yet: pass out_dir=None, "
+            "resume=False, and save the model with `gathered_model`"
         )
 
 
@@ -395,19 +413,12 @@ def _resume_or_seed(
     return start, history
 
 
-def _distributed(model: nn.Module, device: torch.device, world_size: int):
-    "The model as the steps call it: in DistributedDataParallel under torchrun"
-    if world_size > 1:
-        return DistributedDataParallel(
-            model, device_ids=[device] if device.index else None
-        )
-    return model
-
-
-def _evaluate_into(history: dict, done: int, evaluate, model, bar):
-    """Evaluate after step `done`: a row of history["eval"], and a line under
-    the progress bar"""
+def _evaluate_into(history: dict, done: int, evaluate, model, bar, rank=0):
+    """Evaluate after step `done`: a row of history["eval"], and (process 0) a
+    line under the progress bar"""
     history["eval"].append({"step": done, **evaluate(model)})
+    if rank != 0:
+        return
     bar.write(
         f"step {done}: "
         + ", ".join(
@@ -474,14 +485,19 @@ def train(
         the same.
 
     Under torchrun (`init_distributed` called) the model is wrapped in
-    DistributedDataParallel and each process takes its share of every global
-    batch. Returns the history: lists "step", "loss", "lr", "grad_norm" and
-    "eval" (dicts)."""
+    DistributedDataParallel, or sharded with config.fsdp (`shard_model`), and
+    each process takes its share of every global batch. Returns the history:
+    lists "step", "loss", "lr", "grad_norm" and "eval" (dicts)."""
     rank, world_size = world()
     config.micro_batch_size(world_size)  # checks the split
     device = torch.device(device)
     model.to(device)
     set_gradient_checkpointing(model, config.gradient_checkpointing)
+    _check_run(config, out_dir, resume, workers)
+    # FSDP replaces the parameters: the optimiser must see the sharded ones
+    ddp = data_parallel(
+        model, device, world_size, config.fsdp, autocast_dtype(device)
+    )
     optimizer = make_optimizer(model, config.lr, config.weight_decay)
     scheduler = make_scheduler(
         optimizer, config.warmup_steps, config.steps, config.min_lr_ratio
@@ -490,11 +506,8 @@ def train(
     start, history = _resume_or_seed(
         config, out_dir, resume, dataset, model, optimizer, scheduler, scaler
     )
-    ddp = _distributed(model, device, world_size)
     bar = _progress_bar(config, start, progress, rank)
     begin, seen = time.perf_counter(), 0
-    if not isinstance(workers, int) or workers < 0:
-        raise ValueError(f"workers={workers!r}: it must be an integer >= 0")
     batches = StepBatches(dataset, collate, config, rank, world_size)
     upcoming = step_batches(batches, start, workers)
     for step in range(start, config.steps):
@@ -518,10 +531,10 @@ def train(
         bar.update()
         if (
             evaluate is not None
-            and rank == 0
+            and (rank == 0 or config.fsdp)  # FSDP: every process gathers
             and _due(done, config.eval_every, config.steps)
         ):
-            _evaluate_into(history, done, evaluate, model, bar)
+            _evaluate_into(history, done, evaluate, model, bar, rank)
         if (
             out_dir is not None
             and rank == 0

@@ -23,6 +23,7 @@ from .evaluation import make_evaluator
 from .lora import LoraConfig, add_lora, count_parameters
 from .paligemma import PaliGemmaForConditionalGeneration
 from .processing import PaliGemmaProcessor
+from .sharding import gathered_model
 from .tokenization import GemmaTokenizer, default_tokenizer_path
 from .train import TrainConfig, autocast_dtype, train, world
 from .weights import load_pretrained, save_pretrained
@@ -145,7 +146,8 @@ def device_description(device: torch.device) -> str:
 def run_training(run: TrainingRun, on_start=None) -> dict:
     """Build or load the model, train it (`train`), save it (or only its
     adapter) and training_record.json into `run.out`; the record. Every
-    process under torchrun calls it; rank 0 saves. `on_start()` runs on rank 0
+    process under torchrun calls it; rank 0 saves (with config.fsdp, the model
+    gathered from the shards). `on_start()` runs on rank 0
     just before the first step."""
     rank, world_size = world()
     torch.manual_seed(run.config.seed)
@@ -167,7 +169,7 @@ def run_training(run: TrainingRun, on_start=None) -> dict:
         run.train_set,
         collate,
         run.config,
-        out_dir=run.out,
+        out_dir=None if run.config.fsdp else run.out,  # no checkpoints yet
         resume=run.resume,
         evaluate=evaluate,
         processor=processor,
@@ -202,6 +204,8 @@ def run_training(run: TrainingRun, on_start=None) -> dict:
         "final_metrics": history["eval"][-1] if history["eval"] else {},
         "history": history,
     }
+    if run.config.fsdp:  # every process sends its shards; None on the others
+        model = gathered_model(model)
     if rank == 0:
         if lora is not None:
             save_adapter(model, run.out)

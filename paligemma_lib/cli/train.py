@@ -213,6 +213,11 @@ def train_command(args: argparse.Namespace, argv) -> int:
             f"--out {out} holds the checkpoints of a run: add --resume to continue it, "
             "or choose another folder"
         )
+    if config.fsdp and (args.resume or config.save_every or lora is not None):
+        raise ValueError(
+            "--fsdp writes no checkpoints yet and shards no LoRA adapter: leave out "
+            "--resume, --save-every and --lora, or --fsdp"
+        )
     check_device(args.device)
     if args.model is not None:
         check_model(args.model)
@@ -265,7 +270,7 @@ def train_command(args: argparse.Namespace, argv) -> int:
     if rank == 0:
         what = "LoRA adapter" if lora is not None else "model"
         print(f"{what} and training record written to {out}")
-    if world_size > 1:
+    if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0
 
