@@ -7,11 +7,10 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
-from test_train import COLOURS, DATA, TOY, collate, toy_model
+from test_train import DATA, collate, run_worker, toy_model, worker_script
 
 from paligemma_lib.lora import LoraConfig, add_lora
 from paligemma_lib.quantize import quantize_int8
@@ -23,26 +22,10 @@ from paligemma_lib.sharding import (
 from paligemma_lib.train import TrainConfig, train
 
 SCRIPT = """
-import json
 import os
-import sys
-import numpy as np
-import torch
-from PIL import Image
-from safetensors.torch import save_file
 import paligemma_lib.train as training
-from paligemma_lib.config import PaliGemmaConfig, TextConfig, VisionConfig
-from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
-from paligemma_lib.processing import PaliGemmaProcessor
 from paligemma_lib.sharding import data_parallel, gathered_model
-from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
-from paligemma_lib.train import TrainConfig, init_distributed, train
 
-torch.set_num_threads(1)
-TOKENIZER = GemmaTokenizer.from_file(default_tokenizer_path())
-PROCESSOR = PaliGemmaProcessor(TOKENIZER, image_size=28, num_image_tokens=4)
-COLOURS = {COLOURS}
-{TOY}
 fsdp = sys.argv[2] == "fsdp"
 if os.environ.get("SUM_NOT_MEAN"):  # the mutation: FSDP sums the gradients
 
@@ -77,30 +60,10 @@ if rank == 0:
 def torchrun(tmp_path, processes: int, mode: str, **env) -> tuple[dict, dict]:
     """(final weights, {"loss", "grad_norm"} per step) of the toy run with `processes`
     processes; mode "fsdp" (sharded, gradient checkpointing) or "plain" """
-    script = tmp_path / "fsdp.py"
-    script.write_text(
-        SCRIPT.replace("{COLOURS}", repr(COLOURS)).replace(
-            "{TOY}", textwrap.dedent(TOY)
-        )
-    )
     out = tmp_path / f"weights-{processes}-{mode}.safetensors"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={processes}",
-            str(script),
-            str(out),
-            mode,
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-        timeout=180,
+    run_worker(
+        tmp_path, worker_script(SCRIPT), processes, out, mode, timeout=180, **env
     )
-    assert run.returncode == 0, run.stderr[-3000:]
     from safetensors.torch import load_file
 
     return load_file(out), json.loads(open(f"{out}.json").read())

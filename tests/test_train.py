@@ -335,7 +335,8 @@ def test_resume_refuses_other_settings_or_nothing_to_resume(tmp_path):
 
 # --- DDP: 2 gloo processes = 1 process ---
 
-DDP_SCRIPT = """
+# The start of a torchrun worker's script (also tests/test_fsdp.py's): the toy task
+WORKER = """
 import json
 import sys
 import numpy as np
@@ -353,6 +354,16 @@ TOKENIZER = GemmaTokenizer.from_file(default_tokenizer_path())
 PROCESSOR = PaliGemmaProcessor(TOKENIZER, image_size=28, num_image_tokens=4)
 COLOURS = {COLOURS}
 {TOY}
+"""
+
+
+def worker_script(body: str) -> str:
+    "WORKER with the toy task written in, then `body`"
+    toy = WORKER.replace("{COLOURS}", repr(COLOURS))
+    return toy.replace("{TOY}", textwrap.dedent(TOY)) + textwrap.dedent(body)
+
+
+DDP_SCRIPT = """
 rank, world_size = init_distributed()
 model = toy_model()
 config = TrainConfig(steps=4, batch_size=8, accumulation=2, lr=1e-2, warmup_steps=1)
@@ -364,15 +375,10 @@ if rank == 0:
 """
 
 
-def torchrun(tmp_path, processes: int) -> dict:
-    script = tmp_path / "ddp.py"
-    script.write_text(
-        DDP_SCRIPT.replace("{COLOURS}", repr(COLOURS)).replace(
-            "{TOY}", textwrap.dedent(TOY)
-        )
-    )
-    out = tmp_path / f"weights-{processes}.safetensors"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def run_worker(tmp_path, script: str, processes: int, *args, timeout=120, **env):
+    "`script` run by torchrun in `processes` gloo processes; its stderr if it fails"
+    path = tmp_path / "worker.py"
+    path.write_text(script)
     run = subprocess.run(
         [
             sys.executable,
@@ -380,15 +386,20 @@ def torchrun(tmp_path, processes: int) -> dict:
             "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={processes}",
-            str(script),
-            str(out),
+            str(path),
+            *map(str, args),
         ],
         capture_output=True,
         text=True,
-        env=env,
-        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        timeout=timeout,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def torchrun(tmp_path, processes: int) -> dict:
+    out = tmp_path / f"weights-{processes}.safetensors"
+    run_worker(tmp_path, worker_script(DDP_SCRIPT), processes, out)
     from safetensors.torch import load_file
 
     return load_file(out), json.loads(Path(f"{out}.json").read_text())
