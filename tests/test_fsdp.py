@@ -366,3 +366,24 @@ def test_resumed_comparison_catches_a_lost_optimiser_state(tmp_path):
     resumed, history = stopped_and_resumed(tmp_path, 2, 1, DROP_OPTIMISER="1")
     with pytest.raises(AssertionError):
         assert_same_run(one, one_history, resumed, history)
+
+
+def test_readme_fsdp_commands_parse_with_two_examples_per_gpu():
+    """The README's full fine-tuning commands: options `train` takes, and 2 examples
+    per GPU and micro-batch, what chapter 11.2's per-process memory counts assume"""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from paligemma_lib.cli.main import parse_args
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = readme.replace("\\\n", " ")
+    pattern = r"^torchrun --nproc_per_node (\d+) -m paligemma_lib (train .*)$"
+    commands = re.findall(pattern, readme, re.MULTILINE)
+    assert [n for n, _ in commands] == ["8", "2"]
+    for processes, command in commands:
+        args = parse_args(shlex.split(command))
+        assert args.fsdp and args.gradient_checkpointing and args.save_every
+        config = TrainConfig(batch_size=args.batch_size, accumulation=args.accumulation)
+        assert config.micro_batch_size(int(processes)) == 2
