@@ -110,6 +110,27 @@ def latest_checkpoint(out_dir) -> Path | None:
     return found[-1] if found else None
 
 
+SHARDED = ".metadata"  # DCP's index (below): a folder with it is sharded
+
+
+def _check_sharding(folder: Path, model) -> bool:
+    "Whether `folder` is sharded; one line if `model` is not sharded alike"
+    sharded = (folder / SHARDED).exists()
+    if sharded and not isinstance(model, FSDPModule):
+        raise ValueError(
+            f"{folder} is a sharded checkpoint (written with fsdp): resume "
+            "it with fsdp under torchrun (train --fsdp, any number of "
+            "processes)"
+        )
+    if isinstance(model, FSDPModule) and not sharded:
+        raise ValueError(
+            f"{folder} is a plain checkpoint (written without fsdp): resume "
+            "it without fsdp, or start a new fsdp run from its model (--model "
+            f"{folder})"
+        )
+    return sharded
+
+
 def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
     """Put a checkpoint's weights, optimiser and scheduler states and RNG
     states back -> the rest of its training state (step, data position,
@@ -136,9 +157,6 @@ def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
     return state
 
 # %% ../book/11b_training.ipynb #dc02
-SHARDED = ".metadata"  # DCP's index: a folder that holds it is sharded
-
-
 def _staging(final: Path) -> Path:
     "The hidden folder all processes write into, named by process 0"
     name = [f".{final.name}.saving-{secrets.token_hex(4)}"]
@@ -203,21 +221,3 @@ def load_sharded_checkpoint(folder, model, optimizer, scheduler) -> dict:
         rank = 0
     set_rng_states(torch.load(folder / f"rng-{rank}.pt", weights_only=True))
     return state
-
-
-def _check_sharding(folder: Path, model) -> bool:
-    "Whether `folder` is sharded; one line if `model` is not sharded alike"
-    sharded = (folder / SHARDED).exists()
-    if sharded and not isinstance(model, FSDPModule):
-        raise ValueError(
-            f"{folder} is a sharded checkpoint (written with fsdp): resume "
-            "it with fsdp under torchrun (train --fsdp, any number of "
-            "processes)"
-        )
-    if isinstance(model, FSDPModule) and not sharded:
-        raise ValueError(
-            f"{folder} is a plain checkpoint (written without fsdp): resume "
-            "it without fsdp, or start a new fsdp run from its model (--model "
-            f"{folder})"
-        )
-    return sharded
