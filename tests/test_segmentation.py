@@ -230,6 +230,8 @@ def test_code_usage():
     counts, perplexity, dead = code_usage(torch.tensor([[0, 0, 1, 3]]), 4)
     assert counts.tolist() == [2, 1, 0, 1] and dead == [2]
     p = np.array([0.5, 0.25, 0.25])
+    # both in float64: three products, a sum, a log and an exp, each rounded by at
+    # most 2^-53 relative (~1e-16): 1e-12 leaves a margin of 10^4
     assert perplexity == pytest.approx(np.exp(-(p * np.log(p)).sum()), rel=1e-12)
 
 
@@ -414,9 +416,9 @@ def test_scene_seed_errors():
 
 def test_mask_to_64():
     full = torch.ones(100, 100, dtype=torch.bool)
-    # shrinking averages ones with weights that sum to 1 in float32: a few
-    # roundings of 2^-24 each
     ones = mask_to_64(full, (10, 20, 90, 70))
+    # shrinking averages ones with weights that sum to 1 in float32: a few
+    # roundings of 2^-24 (6e-8) each, well within 1e-6
     torch.testing.assert_close(ones, torch.ones(64, 64), rtol=0, atol=1e-6)
     mask = torch.rand(200, 200) > 0.5
     # a 64 x 64 box is copied as it is
