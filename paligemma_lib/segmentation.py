@@ -4,14 +4,15 @@
 __all__ = ['NUM_SEG_CODES', 'CODE_DIM', 'NUM_MASK_TOKENS', 'MASK_SIZE',
            'SEGMENT_PROMPT', 'SCENE_OFFSET', 'MIN_VISIBLE', 'ResBlock',
            'mask_encoder', 'mask_decoder', 'VectorQuantizer', 'Quantized',
-           'code_usage', 'MaskVAE', 'load_mask_vae', 'Segment',
-           'parse_segments', 'SegmentScene', 'segment_scene', 'mask_to_64',
-           'segment_answer']
+           'code_usage', 'MaskVAE', 'shipped_mask_vae_path', 'load_mask_vae',
+           'Segment', 'parse_segments', 'SegmentScene', 'segment_scene',
+           'mask_to_64', 'segment_answer']
 
 # %% ../book/12b_segmentation.ipynb #s002
 import os
 import re
 from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
 
 import numpy as np
@@ -201,19 +202,25 @@ def _check_vae_arrays(arrays: dict, expected: dict, name: str) -> None:
         )
 
 
+def shipped_mask_vae_path() -> Path:
+    "Our own mask VAE (trained at the end of this chapter), in the package"
+    package = Path(find_spec("paligemma_lib").origin).parent
+    return package / "assets" / "mask_vae" / "mask_vae.npz"
+
+
 def load_mask_vae(path=None) -> MaskVAE:
-    """big_vision's `vae-oid.npz` (or `$PALIGEMMA_SEG_VAE` when path is None)
-    -> a MaskVAE in eval mode, every tensor checked"""
+    """A mask VAE file in vae-oid.npz's layout -> a MaskVAE in eval mode,
+    every tensor checked. Which file: `path`; when None, $PALIGEMMA_SEG_VAE
+    (e.g. big_vision's vae-oid.npz); when unset, the shipped VAE"""
     if path is None:
-        path = os.environ.get("PALIGEMMA_SEG_VAE")
-        if not path:
-            raise ValueError(
-                "no path given and $PALIGEMMA_SEG_VAE is not set; point "
-                "either at big_vision's vae-oid.npz"
-            )
+        path = os.environ.get("PALIGEMMA_SEG_VAE") or shipped_mask_vae_path()
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no mask VAE file at {path}")
+        raise FileNotFoundError(
+            f"no mask VAE file at {path}; give the path of a file in "
+            "vae-oid.npz's layout, or leave $PALIGEMMA_SEG_VAE unset for "
+            "the shipped one"
+        )
     with np.load(path) as npz:
         arrays = {key: npz[key] for key in npz.files}
     vae = MaskVAE()
@@ -252,9 +259,10 @@ def _pixel_box(bins, width: int, height: int):
     return box, tuple(int(c) for c in box)  # int: cut down, as big_vision
 
 # %% ../book/12b_segmentation.ipynb #s038
-def parse_segments(text: str, width: int, height: int, vae: MaskVAE):
+def parse_segments(text: str, width: int, height: int, vae=None):
     """A `segment` answer -> [Segment], one per object in the answer's order;
-    objects that are not 4 <loc>, 16 <seg> and a label are kept as invalid"""
+    objects that are not 4 <loc>, 16 <seg> and a label are kept as invalid.
+    `vae` None: load_mask_vae() (the shipped VAE unless $PALIGEMMA_SEG_VAE)"""
     pieces = [p for p in text.split(";") if p.strip()]
     parsed = []  # per piece: (label, box in pixels, 16 codes) or None
     for piece in pieces:
@@ -272,6 +280,8 @@ def parse_segments(text: str, width: int, height: int, vae: MaskVAE):
         else:
             parsed.append((match.group(3).strip(), box, codes))
     wanted = [p[2] for p in parsed if p is not None]
+    if wanted and vae is None:
+        vae = load_mask_vae()
     if wanted:
         with torch.no_grad():
             device = vae._vq_vae._embedding.device
@@ -416,8 +426,9 @@ def mask_to_64(mask: torch.Tensor, box) -> torch.Tensor:
     )[0, 0]
 
 
-def segment_answer(scene: SegmentScene, kind: str, vae: MaskVAE) -> str:
-    "The answer to `segment <kind>`: each instance left to right, ' ; ' apart"
+def segment_answer(scene: SegmentScene, kind: str, vae=None) -> str:
+    """The answer to `segment <kind>`: each instance left to right, ' ; '
+    apart; `vae` None: load_mask_vae()"""
     chosen = [i for i, label in enumerate(scene.labels) if label == kind]
     if not chosen:
         raise ValueError(
@@ -427,6 +438,7 @@ def segment_answer(scene: SegmentScene, kind: str, vae: MaskVAE) -> str:
     crops = torch.stack(
         [mask_to_64(scene.masks[i], scene.boxes[i]) for i in chosen]
     )
+    vae = load_mask_vae() if vae is None else vae
     with torch.no_grad():
         codes = vae.encode(crops).tolist()  # [n, 16]
     objects = []

@@ -78,6 +78,7 @@ def assert_same_run(one, one_history, two, two_history):
     assert math.isclose(
         two_history["grad_norm"][0], one_history["grad_norm"][0], rel_tol=1e-4
     ), (one_history, two_history)
+    # the loss: ~10^2 token losses summed in another order, ~10^2 x eps32 ~ 1e-5
     assert math.isclose(two_history["loss"][0], one_history["loss"][0], rel_tol=1e-5), (
         one_history,
         two_history,
@@ -111,6 +112,7 @@ def test_fsdp_comparison_catches_summed_gradients(tmp_path):
     loss is already scaled by the process count), doubling step 1's gradient"""
     one, one_history = torchrun(tmp_path, 1, "plain")
     two, two_history = torchrun(tmp_path, 2, "fsdp", SUM_NOT_MEAN="1")
+    # twice the plain gradient, within assert_same_run's 1e-4 for the reduction order
     assert math.isclose(
         two_history["grad_norm"][0], 2 * one_history["grad_norm"][0], rel_tol=1e-4
     )
@@ -139,6 +141,7 @@ def test_fsdp_on_a_rehearsed_t4_scales_fp16_losses(tmp_path):
         two_history["grad_norm"][0], one_history["grad_norm"][0], rel_tol=1e-2
     )
     for a, b in zip(one_history["loss"], two_history["loss"]):
+        # the losses: the same fp16 roundings of the layers' outputs as above
         assert math.isclose(a, b, rel_tol=1e-2), (one_history, two_history)
 
 
