@@ -4,8 +4,9 @@
 # (and the later chapters named in the cell markers).
 
 # %% auto #0
-__all__ = ['CHECKPOINTS', 'TRAINING_STATE', 'rng_states', 'set_rng_states',
-           'save_checkpoint', 'latest_checkpoint', 'load_checkpoint']
+__all__ = ['CHECKPOINTS', 'TRAINING_STATE', 'SHARDED', 'rng_states', 'set_rng_states',
+           'save_checkpoint', 'latest_checkpoint', 'load_checkpoint',
+           'save_sharded_checkpoint', 'load_sharded_checkpoint']
 
 # %% ../book/11b_training.ipynb #rs00
 import random
@@ -14,6 +15,8 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from paligemma_lib.adapters import (
     ADAPTER_WEIGHTS,
     adapted_module,
@@ -22,6 +25,11 @@ from paligemma_lib.adapters import (
 from .lora import lora_modules
 from .weights import load_pretrained, save_pretrained
 from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import (
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
 
 __doc__ = """A run's checkpoints (chapter 11.2): written atomically with the
 optimiser, scheduler and random number generators' states, so that a run
@@ -63,7 +71,12 @@ def save_checkpoint(
     scheduler, RNG states and `state` (step, data position, settings, history).
     Only the last `keep` checkpoints are kept. A model with LoRA adapters
     (chapter 10) is saved as its adapter alone: the frozen base is the model
-    the run started from."""
+    the run started from. A model sharded by FSDP: `save_sharded_checkpoint`,
+    which every process calls."""
+    if isinstance(model, FSDPModule):
+        return save_sharded_checkpoint(
+            out_dir, model, optimizer, scheduler, state, keep
+        )
     root = Path(out_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state['step']:07d}"
@@ -97,11 +110,34 @@ def latest_checkpoint(out_dir) -> Path | None:
     return found[-1] if found else None
 
 
+SHARDED = ".metadata"  # DCP's index (below): a folder with it is sharded
+
+
+def _check_sharding(folder: Path, model) -> bool:
+    "Whether `folder` is sharded; one line if `model` is not sharded alike"
+    sharded = (folder / SHARDED).exists()
+    if sharded and not isinstance(model, FSDPModule):
+        raise ValueError(
+            f"{folder} is a sharded checkpoint (written with fsdp): resume "
+            "it with fsdp under torchrun (train --fsdp, any number of "
+            "processes)"
+        )
+    if isinstance(model, FSDPModule) and not sharded:
+        raise ValueError(
+            f"{folder} is a plain checkpoint (written without fsdp): resume "
+            "it without fsdp, or start a new fsdp run from its model (--model "
+            f"{folder})"
+        )
+    return sharded
+
+
 def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
     """Put a checkpoint's weights, optimiser and scheduler states and RNG
     states back -> the rest of its training state (step, data position,
     settings, history)"""
     folder = Path(folder)
+    if _check_sharding(folder, model):
+        return load_sharded_checkpoint(folder, model, optimizer, scheduler)
     device = next(model.parameters()).device
     adapters = lora_modules(model)
     if adapters:  # the adapter's weights into the model's own LoRA modules
@@ -118,4 +154,70 @@ def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
     optimizer.load_state_dict(state.pop("optimizer"))
     scheduler.load_state_dict(state.pop("scheduler"))
     set_rng_states(state.pop("rng"))
+    return state
+
+# %% ../book/11b_training.ipynb #dc02
+def _staging(final: Path) -> Path:
+    "The hidden folder all processes write into, named by process 0"
+    name = [f".{final.name}.saving-{secrets.token_hex(4)}"]
+    dist.broadcast_object_list(name, src=0)
+    return final.parent / name[0]
+
+
+def save_sharded_checkpoint(
+    out_dir, model, optimizer, scheduler, state: dict, keep: int = 2
+) -> Path:
+    """`save_checkpoint` of a model sharded by FSDP; every process calls it.
+    DCP writes each process's shards of the weights and AdamW's state, and
+    the index; each process its RNG states (rng-R.pt); process 0 the
+    scheduler and `state`, then renames the folder once all have written"""
+    rank = dist.get_rank()
+    root = Path(out_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{state['step']:07d}"
+    staging = _staging(final)
+    try:
+        weights, moments = get_state_dict(model, optimizer)
+        dcp.save({"model": weights, "optim": moments}, checkpoint_id=staging)
+        torch.save(rng_states(), staging / f"rng-{rank}.pt")
+        if rank == 0:
+            training_state = {
+                "scheduler": scheduler.state_dict(),
+                "processes": dist.get_world_size(),
+                **state,
+            }
+            torch.save(training_state, staging / TRAINING_STATE)
+        dist.barrier()  # every process's files are complete
+        if rank == 0:
+            if final.exists():
+                shutil.rmtree(final)
+            staging.rename(final)
+            for old in sorted(root.glob("step-*"))[:-keep]:
+                shutil.rmtree(old)
+        dist.barrier()  # no process goes on before the rename
+    finally:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def load_sharded_checkpoint(folder, model, optimizer, scheduler) -> dict:
+    """`load_checkpoint` of a sharded checkpoint into a sharded model, with
+    any number of processes: DCP reads the pieces of this process's shards"""
+    folder = Path(folder)
+    weights, moments = get_state_dict(model, optimizer)  # the shapes wanted
+    both = {"model": weights, "optim": moments}
+    dcp.load(both, checkpoint_id=folder)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=both["model"],
+        optim_state_dict=both["optim"],
+    )
+    state = torch.load(folder / TRAINING_STATE, weights_only=True)
+    scheduler.load_state_dict(state.pop("scheduler"))
+    rank = dist.get_rank()
+    if rank >= state.pop("processes"):  # more processes now than then
+        rank = 0
+    set_rng_states(torch.load(folder / f"rng-{rank}.pt", weights_only=True))
     return state

@@ -370,11 +370,6 @@ def _check_run(config: TrainConfig, out_dir, resume: bool, workers):
     "One line for each setting `train` refuses"
     if not isinstance(workers, int) or workers < 0:
         raise ValueError(f"workers={workers!r}: it must be an integer >= 0")
-    if config.fsdp and (out_dir is not None or resume):
-        raise ValueError(
-            "train(fsdp=True) writes no checkpoints yet: pass out_dir=None, "
-            "resume=False, and save the model with `gathered_model`"
-        )
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -537,7 +532,7 @@ def train(
             _evaluate_into(history, done, evaluate, model, bar, rank)
         if (
             out_dir is not None
-            and rank == 0
+            and (rank == 0 or config.fsdp)  # FSDP: every process writes
             and _due(done, config.save_every, config.steps)
         ):
             state = _checkpoint_state(done, dataset, config, history, scaler)

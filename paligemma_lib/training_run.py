@@ -169,7 +169,7 @@ def run_training(run: TrainingRun, on_start=None) -> dict:
         run.train_set,
         collate,
         run.config,
-        out_dir=None if run.config.fsdp else run.out,  # no checkpoints yet
+        out_dir=run.out,
         resume=run.resume,
         evaluate=evaluate,
         processor=processor,

@@ -179,13 +179,11 @@ def test_fsdp_refuses_int8_and_lora_models():
     assert "\n" not in str(error.value)
 
 
-def test_fsdp_refuses_a_batch_the_processes_do_not_divide_and_checkpoints():
+def test_fsdp_refuses_a_batch_the_processes_do_not_divide():
     config = TrainConfig(steps=1, batch_size=6, warmup_steps=0, fsdp=True)
     # what train checks first, with world() = (rank, 4) under torchrun
     with pytest.raises(ValueError, match="choose a multiple of 4"):
         config.micro_batch_size(4)
-    with pytest.raises(ValueError, match="out_dir=None"):
-        train(toy_model(), DATA, collate, config, out_dir="run", progress=False)
 
 
 # --- the command line: train --fsdp ---
@@ -241,7 +239,6 @@ def test_train_fsdp_writes_the_gathered_model_transformers_loads(tmp_path):
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (["--fsdp", "--save-every", "1"], ["--fsdp", "--save-every"]),
         (["--fsdp", "--model", "nano", "--lora"], ["--fsdp", "LoRA"]),
         (["--fsdp"], ["torchrun"]),  # one process, not started by torchrun
     ],
@@ -268,3 +265,128 @@ def test_a_checkpoint_from_before_fsdp_still_resumes():
     sharded = TrainConfig(steps=2, batch_size=4, warmup_steps=0, fsdp=True)
     with pytest.raises(ValueError, match="fsdp: False -> True"):
         _check_resumable({"config": old, "num_examples": 8}, sharded, 8, "ckpt")
+
+
+# --- sharded checkpoints (DCP): stopped, resumed with another number of processes ---
+
+RESUME_SCRIPT = """
+import os
+
+import paligemma_lib.resume as resume
+from paligemma_lib.sharding import gathered_model
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+out_dir, phase = sys.argv[2], sys.argv[3]
+if os.environ.get("DROP_OPTIMISER"):  # the mutation: AdamW's state not restored
+
+    def weights_only(model, optimizer, model_state_dict, optim_state_dict):
+        set_model_state_dict(model, model_state_dict)
+
+    resume.set_state_dict = weights_only
+
+
+class Stop(Exception):
+    pass
+
+
+def stop_after_2(step, loss):
+    if phase == "stop" and step == 2:
+        raise Stop
+
+
+rank, world_size = init_distributed()
+model = toy_model()
+config = TrainConfig(
+    steps=4, batch_size=8, accumulation=2, lr=1e-2, warmup_steps=1, fsdp=True,
+    gradient_checkpointing=True, save_every=2,
+)
+try:
+    history = train(
+        model, ColourDataset(32), collate, config, out_dir=out_dir,
+        resume=phase == "resume", progress=False, on_step=stop_after_2,
+    )
+except Stop:
+    sys.exit(0)
+final = gathered_model(model)
+if rank == 0:
+    save_file(dict(final.named_parameters()), sys.argv[1])
+    with open(sys.argv[1] + ".json", "w") as f:
+        json.dump({"loss": history["loss"], "grad_norm": history["grad_norm"]}, f)
+"""
+
+
+def stopped_and_resumed(tmp_path, before: int, after: int, **env):
+    """(final weights, history) of the sharded toy run: `before` processes stop after
+    step 2 (its checkpoint), `after` processes resume it to step 4"""
+    out_dir = tmp_path / f"run-{before}-{after}"
+    weights = tmp_path / "resumed.safetensors"
+    script = worker_script(RESUME_SCRIPT)
+    run_worker(tmp_path, script, before, weights, out_dir, "stop", timeout=180)
+    saved = out_dir / "checkpoints" / "step-0000002"
+    # DCP: one file of shards per process that wrote, the index, each one's RNG states
+    assert len(list(saved.glob("*.distcp"))) == before
+    assert (saved / ".metadata").exists() and (saved / "training_state.pt").exists()
+    assert sorted(p.name for p in saved.glob("rng-*.pt")) == [
+        f"rng-{r}.pt" for r in range(before)
+    ]
+    assert not weights.exists()  # it stopped
+    run_worker(tmp_path, script, after, weights, out_dir, "resume", timeout=180, **env)
+    from safetensors.torch import load_file
+
+    assert sorted(p.name for p in (out_dir / "checkpoints").iterdir()) == [
+        "step-0000002",
+        "step-0000004",
+    ]  # no hidden folder left behind
+    return load_file(weights), json.loads(open(f"{weights}.json").read())
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_sharded_checkpoint_resumes_on_another_process_count(tmp_path, before, after):
+    """Stopped after 2 of 4 steps and resumed with another number of processes: the
+    run of one plain process, uninterrupted. The checkpoint holds the fp32 shards and
+    AdamW's moments bit for bit, and the data order is a function of (step, seed)
+    (global_batch) and of the rank (shard), not of the RNG states, so each step sees
+    the same global batch whatever the process count; what differs from the plain run
+    is the order of the sums, within and across processes: assert_same_run's
+    tolerances, derived above."""
+    one, one_history = torchrun(tmp_path, 1, "plain")
+    resumed, history = stopped_and_resumed(tmp_path, before, after)
+    assert len(history["loss"]) == 4  # 2 from the checkpoint's history, 2 resumed
+    assert_same_run(one, one_history, resumed, history)
+    # a plain run (no fsdp, no process group) refuses the sharded checkpoint
+    config = TrainConfig(steps=4, batch_size=8, accumulation=2, warmup_steps=1)
+    out_dir = tmp_path / f"run-{before}-{after}"
+    with pytest.raises(ValueError, match="sharded checkpoint.*under torchrun") as e:
+        train(toy_model(), DATA, collate, config, out_dir, resume=True, progress=False)
+    assert "\n" not in str(e.value)
+
+
+def test_resumed_comparison_catches_a_lost_optimiser_state(tmp_path):
+    """The mutation: the weights restored but not AdamW's moments and step count; step
+    3 then moves each weight by about lr = 1e-2 (a first Adam step), not as the run
+    did, far beyond assert_same_run's 1e-5"""
+    one, one_history = torchrun(tmp_path, 1, "plain")
+    resumed, history = stopped_and_resumed(tmp_path, 2, 1, DROP_OPTIMISER="1")
+    with pytest.raises(AssertionError):
+        assert_same_run(one, one_history, resumed, history)
+
+
+def test_readme_fsdp_commands_parse_with_two_examples_per_gpu():
+    """The README's full fine-tuning commands: options `train` takes, and 2 examples
+    per GPU and micro-batch, what chapter 11.2's per-process memory counts assume"""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from paligemma_lib.cli.main import parse_args
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = readme.replace("\\\n", " ")
+    pattern = r"^torchrun --nproc_per_node (\d+) -m paligemma_lib (train .*)$"
+    commands = re.findall(pattern, readme, re.MULTILINE)
+    assert [n for n, _ in commands] == ["8", "2"]
+    for processes, command in commands:
+        args = parse_args(shlex.split(command))
+        assert args.fsdp and args.gradient_checkpointing and args.save_every
+        config = TrainConfig(batch_size=args.batch_size, accumulation=args.accumulation)
+        assert config.micro_batch_size(int(processes)) == 2

@@ -213,10 +213,10 @@ def train_command(args: argparse.Namespace, argv) -> int:
             f"--out {out} holds the checkpoints of a run: add --resume to continue it, "
             "or choose another folder"
         )
-    if config.fsdp and (args.resume or config.save_every or lora is not None):
+    if config.fsdp and lora is not None:
         raise ValueError(
-            "--fsdp writes no checkpoints yet and shards no LoRA adapter: leave out "
-            "--resume, --save-every and --lora, or --fsdp"
+            "--fsdp shards no LoRA adapter yet (an adapter's training fits one GPU): "
+            "leave out --lora, or --fsdp"
         )
     check_device(args.device)
     if args.model is not None:
