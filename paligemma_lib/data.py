@@ -7,10 +7,10 @@
 __all__ = ['WORLDS', 'SPLITS', 'SEEDS_PER_WORLD', 'WORLD_OFFSETS', 'MIX_OFFSET',
            'MAX_TRIES', 'IMAGE_SIZE', 'TASKS', 'PROMPTS', 'COLOURS', 'KINDS',
            'MARGIN', 'GAP', 'SIDES', 'OCR_ALPHABET', 'STORES', 'ITEMS',
-           'example_rng', 'Example', 'box_gap', 'place_boxes', 'draw_shape',
-           'caption', 'font_path', 'load_font', 'ocr_text', 'place_text',
-           'money', 'layout_receipt', 'make_example', 'SyntheticDataset',
-           'Collator']
+           'unknown_worlds', 'example_rng', 'Example', 'box_gap',
+           'place_boxes', 'draw_shape', 'caption', 'font_path', 'load_font',
+           'ocr_text', 'place_text', 'money', 'layout_receipt',
+           'make_example', 'add_world', 'SyntheticDataset', 'Collator']
 
 # %% ../book/11_data_and_training.ipynb #c003
 import calendar
@@ -51,14 +51,21 @@ MIX_OFFSET = len(WORLDS) * SEEDS_PER_WORLD
 MAX_TRIES = 1000
 
 
+def unknown_worlds(names) -> str:
+    "The error for worlds nobody made"
+    return (
+        f"unknown world(s) {', '.join(map(repr, names))}; the worlds are "
+        f"{', '.join(WORLD_OFFSETS)} (chapter 12.1's segments world comes "
+        "with `import paligemma_lib.segmentation`)"
+    )
+
+
 def example_rng(world: str, seed: int) -> random.Random:
     """The generator of one example: its own random.Random, never the global
     one. seed: an integer of the world's range; numpy's integers too
     (operator.index)"""
     if world not in WORLD_OFFSETS:
-        raise ValueError(
-            f"unknown world {world!r}; the worlds are {', '.join(WORLDS)}"
-        )
+        raise ValueError(unknown_worlds([world]))
     try:
         seed = operator.index(seed)  # an int or a numpy integer, never a float
     except TypeError:
@@ -109,6 +116,9 @@ class Example:
     # ocr: the text; receipts: the receipt's lines joined by "\n"
     text: str = ""
     fields: dict = field(default_factory=dict)  # receipts: store, date, total
+    # segments (chapter 12.1): [N, H, W] bool, what is visible of each object;
+    # left out of ==, which tensors cannot answer (same seed, same masks)
+    masks: object = field(default=None, compare=False)
 
     def triple(self) -> tuple:
         "(image, prompt, answer): what SyntheticDataset gives"
@@ -405,6 +415,20 @@ def make_example(world: str, seed: int, task: str | None = None) -> Example:
         )
     return _MAKERS[world](rng, seed, task)
 
+
+def add_world(name: str, maker, tasks: tuple, offset: int) -> None:
+    """A later chapter's world joins make_example and SyntheticDataset:
+    maker(rng, seed, task) -> Example; its example `seed` is drawn from
+    random.Random(offset + seed), a range no other world uses"""
+    others = {w: o for w, o in WORLD_OFFSETS.items() if w != name}
+    clash = [w for w, o in others.items() if abs(o - offset) < SEEDS_PER_WORLD]
+    if clash or offset < MIX_OFFSET + SEEDS_PER_WORLD:
+        raise ValueError(
+            f"world {name!r}: seeds from {offset} overlap those of "
+            f"{clash or 'the mixing of worlds'}; start past {MIX_OFFSET}"
+        )
+    _MAKERS[name], TASKS[name], WORLD_OFFSETS[name] = maker, tasks, offset
+
 # %% ../book/11_data_and_training.ipynb #c038
 class SyntheticDataset(Dataset):
     """(PIL image, prompt, answer) triples: examples 0 .. size-1 of a split,
@@ -422,11 +446,11 @@ class SyntheticDataset(Dataset):
 
     def __init__(self, worlds="shapes", split="train", size=None, task=None):
         weights = {worlds: 1.0} if isinstance(worlds, str) else dict(worlds)
-        unknown = [w for w in weights if w not in WORLDS]
-        if unknown or not weights:
-            raise ValueError(
-                f"unknown worlds {unknown}; the worlds are {WORLDS}"
-            )
+        if not weights:
+            raise ValueError("no worlds: give one, or weights of several")
+        unknown = [w for w in weights if w not in _MAKERS]
+        if unknown:
+            raise ValueError(unknown_worlds(unknown))
         if any(not 0 < float(v) < float("inf") for v in weights.values()):
             raise ValueError(
                 f"world weights must be positive and finite: {weights}"
@@ -445,8 +469,8 @@ class SyntheticDataset(Dataset):
             raise ValueError(
                 f"task={task!r} needs a single world, not {list(weights)}"
             )
-        # a fixed order: WORLDS'
-        self.worlds = [w for w in WORLDS if w in weights]
+        # a fixed order: WORLDS', then the worlds added later
+        self.worlds = [w for w in _MAKERS if w in weights]
         total = sum(float(weights[w]) for w in self.worlds)
         self.weights = [float(weights[w]) / total for w in self.worlds]
         self.split, self.size, self.task = split, size, task

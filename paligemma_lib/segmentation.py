@@ -320,8 +320,11 @@ from paligemma_lib.data import (
     KINDS,
     MARGIN,
     MAX_TRIES,
+    PROMPTS,
     SEEDS_PER_WORLD,
     SIDES,
+    Example,
+    add_world,
 )
 
 SEGMENT_PROMPT = "segment {kind}"
@@ -382,7 +385,11 @@ def segment_scene(seed: int) -> SegmentScene:
         raise ValueError(
             f"seed {seed!r} must be an int in 0..{SEEDS_PER_WORLD - 1}"
         )
-    rng = random.Random(SCENE_OFFSET + seed)
+    return _draw_scene(random.Random(SCENE_OFFSET + seed), seed)
+
+
+def _draw_scene(rng: random.Random, seed: int) -> SegmentScene:
+    "The scene `segment_scene(seed)` describes, drawn with `rng`"
     for _ in range(MAX_TRIES):
         background = rng.randint(210, 250)
         n = rng.randint(1, 3)
@@ -448,3 +455,36 @@ def segment_answer(scene: SegmentScene, kind: str, vae=None) -> str:
         )
         objects.append(loc + "".join(SEG_TOKENS[c] for c in row) + f" {kind}")
     return " ; ".join(objects)
+
+# %% ../book/12b_segmentation.ipynb #g002
+_ANSWER_VAES = {}  # path -> MaskVAE: one load per process and file
+
+
+def _answer_vae() -> MaskVAE:
+    "The VAE that writes the world's answers: load_mask_vae()'s choice"
+    path = os.environ.get("PALIGEMMA_SEG_VAE") or shipped_mask_vae_path()
+    if str(path) not in _ANSWER_VAES:
+        _ANSWER_VAES[str(path)] = load_mask_vae(path)
+    return _ANSWER_VAES[str(path)]
+
+
+def _segments_example(rng: random.Random, seed: int, task) -> Example:
+    "Example `seed` of the segments world: one kind of its scene, segmented"
+    scene = _draw_scene(rng, seed)
+    kind = rng.choice(sorted(set(scene.labels)))
+    chosen = [i for i, label in enumerate(scene.labels) if label == kind]
+    return Example(
+        "segments",
+        seed,
+        "segment",
+        scene.image,
+        SEGMENT_PROMPT.format(kind=kind),
+        segment_answer(scene, kind, _answer_vae()),
+        boxes=[scene.boxes[i] for i in chosen],
+        labels=[kind] * len(chosen),
+        masks=scene.masks[chosen],
+    )
+
+
+PROMPTS["segment"] = SEGMENT_PROMPT
+add_world("segments", _segments_example, ("segment",), SCENE_OFFSET)

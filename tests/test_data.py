@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image, ImageChops, ImageDraw
 
+import paligemma_lib.segmentation  # noqa: F401, E402  (adds the segments world)
 from paligemma_lib.boxes import parse_loc_tokens
 from paligemma_lib.data import (
     COLOURS,
@@ -35,6 +36,7 @@ from paligemma_lib.data import (
     Collator,
     Example,
     SyntheticDataset,
+    add_world,
     box_gap,
     layout_receipt,
     load_font,
@@ -121,8 +123,26 @@ def test_splits_are_disjoint_and_inside_a_world():
 
 def test_worlds_and_mixing_never_share_a_generator_seed():
     starts = sorted([*WORLD_OFFSETS.values(), MIX_OFFSET])
-    assert set(WORLD_OFFSETS) == set(WORLDS)
+    assert set(WORLD_OFFSETS) == {*WORLDS, "segments"}  # chapter 12.1 adds one
     assert all(b - a >= SEEDS_PER_WORLD for a, b in zip(starts, starts[1:]))
+
+
+def test_add_world_refuses_seeds_another_world_uses():
+    def maker(rng, seed, task):
+        return make_example("shapes", seed, task)
+
+    for offset in (
+        0,
+        WORLD_OFFSETS["ocr"] + 5,
+        MIX_OFFSET,
+        WORLD_OFFSETS["segments"] - 1,
+    ):
+        with pytest.raises(ValueError, match="overlap"):
+            add_world("stars", maker, ("caption",), offset)
+    with pytest.raises(ValueError, match="unknown world.*segments world comes with"):
+        SyntheticDataset("stars")
+    with pytest.raises(ValueError, match="no worlds"):
+        SyntheticDataset({})
 
 
 def test_seed_outside_the_range_is_an_error():
@@ -557,7 +577,7 @@ def test_dataset_task_and_errors():
     assert len(SyntheticDataset("ocr", split="test")) == len(SPLITS["test"])
     with pytest.raises(IndexError):
         detect[20]
-    with pytest.raises(ValueError, match="unknown worlds"):
+    with pytest.raises(ValueError, match="unknown world"):
         SyntheticDataset({"stars": 1.0})
     with pytest.raises(ValueError, match="positive"):
         SyntheticDataset({"shapes": 1.0, "ocr": 0.0})

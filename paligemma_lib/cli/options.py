@@ -139,7 +139,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-WORLDS = ("shapes", "ocr", "receipts")
+WORLDS = ("shapes", "ocr", "receipts", "segments")  # segments: chapter 12.1
 
 
 DEVICE_HELP = "'auto' (the GPU when there is one), 'cpu', 'cuda', 'cuda:1', ..."
@@ -171,13 +171,13 @@ def parse_worlds(text: str) -> dict:
 def import_data():
     "The synthetic worlds (chapter 11), imported only by the commands that need them"
     try:
-        from .. import data
+        from .. import data, segmentation  # noqa: F401  (it adds "segments")
     except ModuleNotFoundError as e:
-        if e.name != "paligemma_lib.data":
+        if e.name not in ("paligemma_lib.data", "paligemma_lib.segmentation"):
             raise
         raise ValueError(
-            "this installation has no paligemma_lib.data (the synthetic worlds of "
-            "chapter 11); install a version of paligemma_lib that has it"
+            f"this installation has no {e.name} (the synthetic worlds of chapters "
+            "11 and 12.1); install a version of paligemma_lib that has it"
         ) from None
     return data
 
