@@ -664,19 +664,22 @@ def test_an_unknown_model_name_lists_the_shipped_ones(checkpoint, tmp_path, caps
 
 
 def test_the_default_max_new_tokens_holds_every_shipped_task():
-    """64 new tokens hold the longest answer, <eos> included, of every task of the
-    worlds the shipped models learned: on 300 test scenes a task, and a receipt built
-    to be the longest (the longest store name, the widest total)"""
+    """The commands' default holds the longest answer, <eos> included, of every task
+    of the worlds the shipped models learned: on 300 test scenes a task, and a
+    receipt built to be the longest (the longest store name, the widest total);
+    generate()'s own default, 64, holds every task but three segmented shapes"""
     import inspect
     import json as json_module
 
+    from paligemma_lib import segmentation  # noqa: F401  (adds the segments world)
     from paligemma_lib.cli.main import build_parser
     from paligemma_lib.cli.options import DEFAULT_MAX_NEW_TOKENS
     from paligemma_lib.data import SPLITS, STORES, TASKS, make_example
     from paligemma_lib.generation import generate
 
-    limit = inspect.signature(generate).parameters["max_new_tokens"].default
-    assert limit == DEFAULT_MAX_NEW_TOKENS == 64
+    library = inspect.signature(generate).parameters["max_new_tokens"].default
+    limit = DEFAULT_MAX_NEW_TOKENS
+    assert library == 64 and limit == 80
     assert "max_new_tokens (64)" in answer.__doc__
     for command in ("generate", "evaluate"):
         args = build_parser().parse_args(
@@ -706,6 +709,7 @@ def test_the_default_max_new_tokens_holds_every_shipped_task():
     )  # fmt: skip
     print(longest)
     assert max(longest.values()) <= limit, longest
+    assert max(v for k, v in longest.items() if k != "segment") <= library
 
 
 def test_an_answer_cut_at_max_new_tokens_says_so(checkpoint, capsys):
@@ -882,6 +886,27 @@ def test_evaluate_names_the_adapter(capsys):
         out.splitlines()[0]
         == "nano with adapter receipts on receipts (test, 1 examples)"
     )
+
+
+def test_evaluate_segments_reports_mask_miou_and_baselines(capsys):
+    "Chapter 12.1's metrics for the segments world, graded against the scenes' masks"
+    from paligemma_lib import segmentation  # noqa: F401  (adds the segments world)
+    from paligemma_lib.data import SyntheticDataset
+
+    code = main(
+        ["evaluate", "--world", "segments", "--limit", "3", "--batch-size", "3"]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0 and lines[0] == "nano on segments (test, 3 examples)"
+    rows = {tuple(line.split()[1:-1]): line.split()[-1] for line in lines[2:]}
+    for name in ("mIoU", "filled box mIoU", "class mask mIoU"):
+        for kind in ("", "circle", "square", "triangle"):
+            value = rows[tuple(f"{name} {kind}".split())]
+            assert value == "nan" or 0.0 <= float(value) <= 1.0
+    data = SyntheticDataset("segments", split="test", size=3)
+    truth = sum(len(data.example(i).labels) for i in range(3))
+    # every true object is graded, matched or not, and so is each predicted one
+    assert int(rows["objects", "graded"]) >= truth
 
 
 def test_the_readme_first_command_and_what_nano_has_seen(capsys):

@@ -31,7 +31,8 @@ def add_evaluate_parser(commands) -> None:
     ev = command_parser(
         commands,
         "evaluate",
-        "the metrics table of a model on a world",
+        "the metrics table of a model on a world (segments: mask mIoU and two "
+        "baselines, chapter 12.1)",
     )
     add_model_arguments(ev)
     ev.add_argument(
@@ -91,6 +92,12 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
         max_new_tokens=args.max_new_tokens,
     )
     metrics = compute_metrics(rows)
+    if args.world == "segments":  # masks against the scenes' exact masks
+        from ..segment_eval import segment_metrics
+
+        examples = [dataset.example(i) for i in range(len(rows))]
+        predictions = [row["prediction"] for row in rows]
+        metrics["segment"] |= segment_metrics(examples, predictions)
     adapter = f" with adapter {args.adapter}" if args.adapter is not None else ""
     print(f"{args.model}{adapter} on {args.world} ({args.split}, {len(rows)} examples)")
     print(format_metrics(metrics))
