@@ -29,6 +29,7 @@ _WHERE = {
     "generate": "generation",
     "load_image": "image_processing",
     "load_pretrained": "weights",
+    "parse_segments": "segmentation",
     "save_pretrained": "weights",
 }
 __all__ = ["__version__", *_WHERE]

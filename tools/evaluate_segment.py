@@ -1,0 +1,99 @@
+# Hand-written, not exported from a notebook.
+"""The shipped `segment` adapter on the segments world's test scenes, once (ch. 12.1).
+
+    python tools/evaluate_segment.py [--n 300] [--start 1000] [--out FILE]
+
+Writes benchmarks/results/segment-test-DATE.json: the git commit, the sha256 of the
+adapter's and the VAE's files, every prompt, answer and prediction (so the chapter can
+grade them again), and the metrics of chapter 12.1 (`segment_metrics`): mask mIoU per
+kind against the filled box and the class's average mask in the model's own boxes.
+
+Which test scenes: indices `--start` .. `--start + n - 1` of the segments world's test
+split. Indices 0-2 are graded by tests/test_cli.py with the base model; from 1000 on, no
+evaluation had looked at any before this script, and no choice of training used the test
+split (the run evaluated on the validation split).
+"""
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+from torch.utils.data import Subset
+
+from paligemma_lib import PaliGemmaProcessor, load_pretrained
+from paligemma_lib.adapters import load_adapter, resolve_adapter_path
+from paligemma_lib.data import SyntheticDataset
+from paligemma_lib.evaluation import predict
+from paligemma_lib.segment_eval import segment_metrics
+from paligemma_lib.segmentation import shipped_mask_vae_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evaluate_fresh import git_commit  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_NEW_TOKENS = 80  # three segmented shapes: 68 tokens with <eos>
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=300)
+    parser.add_argument("--start", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    out = (
+        args.out
+        or ROOT / "benchmarks" / "results" / f"segment-test-{date.today():%Y%m%d}.json"
+    )
+    torch.manual_seed(0)
+    processor = PaliGemmaProcessor.from_pretrained("nano")
+    model = load_adapter(load_pretrained("nano"), "segment").eval()
+    data = SyntheticDataset("segments", split="test", size=args.start + args.n)
+    indices = range(args.start, args.start + args.n)
+    started = time.perf_counter()
+    rows = predict(
+        model, processor, Subset(data, indices), args.batch_size, MAX_NEW_TOKENS
+    )
+    examples = [data.example(i) for i in indices]
+    predictions = [row["prediction"] for row in rows]
+    metrics = segment_metrics(examples, predictions)
+    adapter = resolve_adapter_path("segment")
+    record = {
+        "command": "python tools/evaluate_segment.py "
+        + f"--n {args.n} --start {args.start}",
+        "commit": git_commit(),
+        "date": f"{date.today():%Y-%m-%d}",
+        "torch": torch.__version__,
+        "files": {
+            f"{path.parent.name}/{path.name}": hashlib.sha256(
+                path.read_bytes()
+            ).hexdigest()
+            for folder in (adapter, shipped_mask_vae_path().parent)
+            for path in sorted(folder.iterdir())
+            if path.is_file()
+        },
+        "split": "test",
+        "indices": [args.start, args.start + args.n - 1],
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "seconds": round(time.perf_counter() - started, 1),
+        "metrics": metrics,
+        "rows": [row | {"seed": ex.seed} for row, ex in zip(rows, examples)],
+    }
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    for name, value in metrics.items():
+        print(f"{name:<26} {value}")
+    print(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
