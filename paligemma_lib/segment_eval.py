@@ -5,12 +5,13 @@
 
 # %% auto #0
 __all__ = ['AVERAGE_SEEDS', 'METHODS', 'matched_ious', 'average_masks', 'baseline',
-           'segment_metrics']
+           'grade', 'summarize', 'segment_metrics']
 
 # %% ../book/12b_segmentation.ipynb #e002
+import numpy as np
 import torch
 from .data import KINDS
-from .mask_vae_training import VAE_TRAIN_SEEDS, mask_iou
+from .mask_vae_training import VAE_TRAIN_SEEDS
 from paligemma_lib.segmentation import (
     Segment,
     _mask_in_box,
@@ -26,15 +27,22 @@ own boxes: the filled box and the class's average mask."""
 AVERAGE_SEEDS = VAE_TRAIN_SEEDS[:1000]  # training scenes: the average masks
 
 
+def _iou(a: np.ndarray, b: np.ndarray) -> float:
+    "Two boolean masks of one shape -> intersection over union (1 if empty)"
+    union = np.logical_or(a, b).sum()
+    return float(np.logical_and(a, b).sum() / union) if union else 1.0
+
+
 def matched_ious(predicted: list, masks) -> tuple[list, int]:
     """Predicted Segments and the true masks [N, H, W] -> (one IoU per pair
     matched greedily by mask IoU, each object used once, then 0 for each
     object left over on either side; how many predictions were invalid)"""
-    valid = [s for s in predicted if s.valid]
+    valid = [s.mask.numpy() for s in predicted if s.valid]
+    truth = [np.asarray(m) for m in masks]
     pairs = sorted(
-        (-mask_iou(s.mask, m), i, j)
-        for i, s in enumerate(valid)
-        for j, m in enumerate(masks)
+        (-_iou(p, t), i, j)
+        for i, p in enumerate(valid)
+        for j, t in enumerate(truth)
     )
     used_p, used_t, ious = set(), set(), []
     for negative_iou, i, j in pairs:
@@ -87,35 +95,47 @@ def baseline(predicted: list, kind: str, width: int, height: int, averages):
 METHODS = ("model", "filled box", "class mask")
 
 
-def segment_metrics(examples: list, predictions: list, vae=None) -> dict:
-    """Examples of the segments world and the answers predicted for them ->
-    mIoU of the model's masks and of both baselines (in the model's boxes),
-    overall and per kind asked; invalid predicted objects; objects graded"""
-    averages = average_masks()
-    ious = {(m, k): [] for m in METHODS for k in KINDS}
-    invalid = 0
-    for ex, text in zip(examples, predictions, strict=True):
-        width, height = ex.image.size
-        kind = ex.labels[0]
-        predicted = parse_segments(text, width, height, vae)
-        shown = {
-            "model": predicted,
-            "filled box": baseline(predicted, kind, width, height, None),
-            "class mask": baseline(predicted, kind, width, height, averages),
-        }
-        for method, segments in shown.items():
-            scores, bad = matched_ious(segments, ex.masks)
-            ious[method, kind] += scores
-        invalid += bad
+def grade(example, prediction: str, vae=None, averages=None) -> dict:
+    """One example of the segments world and the answer predicted for it ->
+    {method: its IoUs (matched_ious)} for the model's masks and both
+    baselines, and "invalid": the predicted objects that are not valid"""
+    averages = average_masks() if averages is None else averages
+    width, height = example.image.size
+    kind = example.labels[0]
+    predicted = parse_segments(prediction, width, height, vae)
+    shown = {
+        "model": predicted,
+        "filled box": baseline(predicted, kind, width, height, None),
+        "class mask": baseline(predicted, kind, width, height, averages),
+    }
+    grades = {m: matched_ious(s, example.masks)[0] for m, s in shown.items()}
+    return grades | {"invalid": sum(not s.valid for s in predicted)}
+
+
+def summarize(kinds: list, grades: list) -> dict:
+    """The kind asked and grade() of each example -> mIoU of the model and of
+    both baselines, overall and per kind; invalid objects; objects graded"""
     metrics = {}
     for method in METHODS:
         name = "mIoU" if method == "model" else f"{method} mIoU"
-        every = [x for k in KINDS for x in ious[method, k]]
-        metrics[name] = sum(every) / len(every)
+        every = [x for g in grades for x in g[method]]
+        metrics[name] = sum(every) / len(every) if every else float("nan")
         for k in KINDS:
-            got = ious[method, k]
+            got = [x for kind, g in zip(kinds, grades) if kind == k
+                   for x in g[method]]  # fmt: skip
             mean = sum(got) / len(got) if got else float("nan")
             metrics[f"{name} {k}"] = mean
-    metrics["invalid objects"] = invalid
-    metrics["objects graded"] = len(every)
+    metrics["invalid objects"] = sum(g["invalid"] for g in grades)
+    metrics["objects graded"] = sum(len(g["model"]) for g in grades)
     return metrics
+
+
+def segment_metrics(examples: list, predictions: list, vae=None) -> dict:
+    """Examples of the segments world and the answers predicted for them ->
+    summarize() of their grades"""
+    averages = average_masks()
+    grades = [
+        grade(ex, text, vae, averages)
+        for ex, text in zip(examples, predictions, strict=True)
+    ]
+    return summarize([ex.labels[0] for ex in examples], grades)
