@@ -141,3 +141,12 @@ def test_draw_segments_any_mode_and_its_errors():
         draw_segments(Image.new("RGB", (41, 30)), found)
     with pytest.raises(ValueError, match=r"alpha 0 must be in \(0, 1\]"):
         draw_segments(image, found, alpha=0)
+
+
+def test_demo_segment_adapter_that_is_no_folder(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "paligemma_lib", "demo", "--segment-adapter",
+         str(tmp_path / "nope")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    one_error_line(run, "--segment-adapter", "no such folder")
