@@ -105,7 +105,7 @@ def scripted_checkpoint(folder) -> tuple[Path, Path]:
         lora.lora_A.weight.copy_(torch.eye(WIDTH))
         lora.lora_B.weight.zero_()
         for axis in range(len(chain) - 1):
-            lora.lora_B.weight[axis + 1, axis] = 10.0  # 160 against 4 * sqrt(2)
+            lora.lora_B.weight[axis + 1, axis] = 10.0  # 160 vs a residual of 8
     save_adapter(model, folder / "adapter")
     return folder / "model", folder / "adapter"
 
