@@ -26,6 +26,7 @@ _WHERE = {
     "PaliGemmaProcessor": "processing",
     "answer": "generation",
     "draw_boxes": "boxes",
+    "draw_segments": "segmentation",
     "generate": "generation",
     "load_image": "image_processing",
     "load_pretrained": "weights",

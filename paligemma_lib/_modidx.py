@@ -622,6 +622,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                         'paligemma_lib/segmentation.py'),
                                             'paligemma_lib.segmentation.code_usage': ( 'segmentation.html#code_usage',
                                                                                        'paligemma_lib/segmentation.py'),
+                                            'paligemma_lib.segmentation.draw_segments': ( 'segmentation.html#draw_segments',
+                                                                                          'paligemma_lib/segmentation.py'),
                                             'paligemma_lib.segmentation.load_mask_vae': ( 'segmentation.html#load_mask_vae',
                                                                                           'paligemma_lib/segmentation.py'),
                                             'paligemma_lib.segmentation.mask_decoder': ( 'segmentation.html#mask_decoder',

@@ -5,9 +5,10 @@ Python
     from paligemma_lib.app import build_app, launch launch(build_app(model,
     processor, adapter="receipts"), port=7860)
 
-The model logic (prompts, generation, boxes, receipts, attention maps, input
-checks) is in `paligemma_lib.demo`, exported from chapter 13; this file only
-lays out the page and turns each error into a message in it. Gradio is imported
+The model logic (prompts, generation, boxes, receipts, masks, attention maps,
+input checks) is in `paligemma_lib.demo`, exported from chapter 13; this file
+only lays out the page, picks the adapter of each task and turns each error
+into a message in it. Gradio is imported
 here, and this module only when the demo starts (`pip install
 "paligemma_lib[demo]"`)."""
 
@@ -15,7 +16,7 @@ import json
 import os
 import sys
 import traceback
-from contextlib import nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio load
 
 import gradio as gr
 
+from .adapters import load_adapter
 from .boxes import draw_boxes
 from .demo import (
     EXAMPLES,
@@ -35,6 +37,8 @@ from .demo import (
     open_upload,
     run_task,
 )
+from .lora import lora_modules
+from .segmentation import draw_segments
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 TASK_CHOICES = [
@@ -43,8 +47,16 @@ TASK_CHOICES = [
     ("detect", "detect"),
     ("OCR", "ocr"),
     ("receipt to JSON", "receipt"),
+    ("segment", "segment"),
 ]
 NO_ADAPTER = "none"
+# The segment task's adapter (section 12.1), held beside the model (see
+# detached_adapter) and swapped in for the runs that choose it
+SEGMENT_ADAPTER = "segment"
+NO_SEGMENT_ADAPTER = (
+    "No 'segment' adapter is served (section 12.1 trains it; demo "
+    "--segment-adapter DIR serves one): this is the model's answer without it"
+)
 # Requests that may wait for the model at once; more get "queue full" in the page at
 # once instead of waiting minutes (each run holds the model for about a second)
 MAX_QUEUE = 16
@@ -83,20 +95,22 @@ def image_panel() -> SimpleNamespace:
     return SimpleNamespace(upload=upload, example=example, preview=preview)
 
 
-def task_panel(adapter: str | None) -> SimpleNamespace:
+def task_panel(adapter: str | None, segment: bool = False) -> SimpleNamespace:
     "The task, its text, the adapter switch, the generation settings and Run"
+    names = [NO_ADAPTER, *([adapter] if adapter else [])]
+    names += [SEGMENT_ADAPTER] if segment and adapter != SEGMENT_ADAPTER else []
     with gr.Column():
         task = gr.Radio(TASK_CHOICES, value="caption", label="Task", elem_id="task")
         text = gr.Textbox(
-            label="Question, or the object to detect",
+            label="Question, or the object to detect or segment",
             placeholder="what color is the square?",
             elem_id="text",
         )
         use_adapter = gr.Radio(
-            [NO_ADAPTER, adapter] if adapter else [NO_ADAPTER],
+            names,
             value=adapter or NO_ADAPTER,  # the adapter served starts on
             label="LoRA adapter",
-            visible=adapter is not None,
+            visible=len(names) > 1,
             elem_id="adapter",
         )
         with gr.Accordion("Generation settings", open=False):
@@ -179,31 +193,46 @@ def sampling_settings(decode, temperature, top_k, top_p) -> dict:
     return sampling
 
 
-def shown_result(image, chosen: str, result, maps, limit: int) -> tuple:
-    "What a finished run shows: the run's outputs (as `cleared`) and a message"
+def drawn_answer(image, chosen: str, result) -> tuple:
+    "The image panel's update (boxes or masks drawn, or hidden) and its note"
+    if chosen == "detect":
+        drawn = draw_boxes(image, result.boxes)
+        return gr.update(value=drawn, visible=True, label="Boxes"), ""
+    if chosen != "segment":
+        return gr.update(value=None, visible=False), ""
+    drawn = draw_segments(image, result.segments)
+    shown = gr.update(value=drawn, visible=True, label="Masks and boxes")
+    if not any(s.valid for s in result.segments):
+        return shown, "The answer holds no mask to draw"
+    return shown, ""
+
+
+def shown_result(image, chosen: str, result, maps, limit: int, note="") -> tuple:
+    """What a finished run shows: the run's outputs (as `cleared`) and a message
+    (`note`, or what the run says about its answer)"""
     tokens = [(f"{i}: {piece}", i) for i, piece in enumerate(result.pieces)]
     stats_text = (
         f"`{result.prompt}` -> {len(result.token_ids)} token(s) in "
         f"{result.seconds:.2f} s, {result.tokens_per_second:.1f} tokens/s"
     )
-    boxes_update = gr.update(value=None, visible=False)
-    if chosen == "detect":
-        boxes_update = gr.update(value=draw_boxes(image, result.boxes), visible=True)
+    boxes_update, drawn_note = drawn_answer(image, chosen, result)
+    notes = [note or drawn_note]
     receipt_update = gr.update(value=None, visible=False)
-    note = ""
     if chosen == "receipt":
         if result.receipt is not None:
             receipt_update = gr.update(
                 value=json.dumps(result.receipt, indent=2), visible=True
             )
         else:
-            note = message(result.receipt_error)
+            notes = [result.receipt_error]
     if result.truncated:
-        note = message(
+        notes.insert(
+            0,
             f"The answer stopped at the {limit}-token limit before its end "
             "(<eos>): it may be cut short. Raise Max tokens under Generation "
-            "settings" + (f". {result.receipt_error}" if result.receipt_error else "")
+            "settings",
         )
+    note = message(". ".join(filter(None, notes)))
     return (
         result.text,
         stats_text,
@@ -216,8 +245,39 @@ def shown_result(image, chosen: str, result, maps, limit: int) -> tuple:
     )
 
 
-def page_handlers(model, processor, adapter: str | None) -> SimpleNamespace:
-    """The page's event handlers, bound to the one model every session shares"""
+@contextmanager
+def adapter_chosen(model, choice: str, served: str | None, segment: dict | None):
+    """Inside the block the model computes with the adapter the page chose: the one
+    it carries (`served`), none, or the segment adapter's layers swapped in"""
+    if choice == served:
+        yield model
+        return
+    with adapter_disabled(model):
+        layers = segment if choice == SEGMENT_ADAPTER and segment else {}
+        for name, lora in layers.items():
+            model.set_submodule(name, lora)
+        try:
+            yield model
+        finally:
+            for name, lora in layers.items():
+                model.set_submodule(name, lora.base_layer)
+
+
+def detached_adapter(model, folder) -> dict:
+    """The LoraLinear layers of the adapter in `folder`, each wrapping the model's
+    own Linear, but left out of the model (adapter_chosen swaps them in): one
+    model in memory serves several adapters"""
+    with adapter_disabled(model):  # the served adapter out while this one loads
+        load_adapter(model, folder)
+        layers = lora_modules(model)
+        for name, lora in layers.items():
+            model.set_submodule(name, lora.base_layer)
+    return layers
+
+
+def page_handlers(model, processor, adapter: str | None, segment=None):
+    """The page's event handlers, bound to the one model every session shares;
+    `segment`: the segment adapter's layers (detached_adapter), or None"""
 
     def on_upload(file):
         "A new image: the previous answer goes (it was about another image)"
@@ -237,15 +297,21 @@ def page_handlers(model, processor, adapter: str | None) -> SimpleNamespace:
         return image, image, "", example_task, example_text, on_task(example_task)
 
     def on_task(chosen):
-        return adapter if adapter and chosen == "receipt" else NO_ADAPTER
+        "Each task's adapter: the served one for receipts, the segment one"
+        if adapter and chosen == "receipt":
+            return adapter
+        if chosen == "segment" and (segment or adapter == SEGMENT_ADAPTER):
+            return SEGMENT_ADAPTER
+        return NO_ADAPTER
 
     def on_run(image, chosen, typed, adapter_choice, decode, temp, k, p, s, n):
         if image is None:
             return failed("Upload an image or pick an example first")
         sampling = sampling_settings(decode, temp, k, p)
+        no_segment = chosen == "segment" and on_task("segment") == NO_ADAPTER
+        note = NO_SEGMENT_ADAPTER if no_segment else ""
         try:
-            off = adapter_choice == NO_ADAPTER
-            with adapter_disabled(model) if off else nullcontext():
+            with adapter_chosen(model, adapter_choice, adapter, segment):
                 result = run_task(
                     model,
                     processor,
@@ -270,7 +336,7 @@ def page_handlers(model, processor, adapter: str | None) -> SimpleNamespace:
         except Exception as e:  # a bug: the page says so, the console has the trace
             traceback.print_exc()
             return failed(f"internal error ({type(e).__name__}: {e})")
-        return shown_result(image, chosen, result, maps, int(n))
+        return shown_result(image, chosen, result, maps, int(n), note)
 
     def on_token(image, maps, index, which):
         if image is None or maps is None or index is None:
@@ -294,7 +360,7 @@ def connect(source, controls, shown, looked, image_state, maps_state, on):
     # Run pressed right after picking an example waits for the example's image
     # (separate queues let the run read the image before it was set).
     # concurrency_limit=1 is also what makes the adapter switch safe: every
-    # session shares this one model, and on_run's adapter_disabled swaps its
+    # session shares this one model, and on_run's adapter_chosen swaps its
     # layers in place for the length of a run, so two runs at once, one with the
     # adapter and one without, would each compute with the other's layers. With
     # one run at a time across all sessions, none can see another's switch
@@ -334,9 +400,13 @@ def connect(source, controls, shown, looked, image_state, maps_state, on):
         )
 
 
-def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
+def build_app(
+    model, processor, adapter: str | None = None, segment: dict | None = None
+) -> gr.Blocks:
     """The page. `model` may carry one LoRA adapter, named `adapter`; the page
-    lets the user switch it off (it is on for the receipt task by default)"""
+    lets the user switch it off (it is on for the receipt task by default).
+    `segment`: the layers of a segment adapter (detached_adapter), on by default
+    for the segment task"""
     with gr.Blocks(title="PaliGemma from scratch", analytics_enabled=False) as app:
         image_state = gr.State(None)  # the PIL image asked about
         maps_state = gr.State(None)  # [T, L, side, side]: attention, heads averaged
@@ -348,7 +418,7 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
         )
         with gr.Row():
             source = image_panel()
-            controls = task_panel(adapter)
+            controls = task_panel(adapter, segment=bool(segment))
         with gr.Row():
             shown = answer_panel()
             looked = attention_panel(model.config.text.num_hidden_layers)
@@ -360,7 +430,7 @@ def build_app(model, processor, adapter: str | None = None) -> gr.Blocks:
             looked,
             image_state,
             maps_state,
-            page_handlers(model, processor, adapter),
+            page_handlers(model, processor, adapter, segment),
         )
     return app
 
@@ -397,9 +467,15 @@ def launch(
     )
 
 
-def serve(model_path, adapter_path=None, host="127.0.0.1", port=7860, device="auto"):
-    "Load the model (and adapter) and serve the demo until Ctrl-C"
-    from .adapters import load_adapter
+def serve(
+    model_path,
+    adapter_path=None,
+    host="127.0.0.1",
+    port=7860,
+    device="auto",
+    segment_path=None,
+):
+    "Load the model (and adapters) and serve the demo until Ctrl-C"
     from .processing import PaliGemmaProcessor
     from .weights import load_pretrained, resolve_device
 
@@ -409,7 +485,11 @@ def serve(model_path, adapter_path=None, host="127.0.0.1", port=7860, device="au
     if adapter_path is not None:
         load_adapter(model, adapter_path)
         name = Path(adapter_path).name
+    segment = None if segment_path is None else detached_adapter(model, segment_path)
     print(f"serving {model_path}" + (f" with adapter {name}" if name else ""))
+    if segment_path is not None:
+        print(f"segment task: adapter {Path(segment_path).name}")
     print(f"open http://{host}:{port} (Ctrl-C stops)")
-    launch(build_app(model, processor, adapter=name), host=host, port=port)
+    app = build_app(model, processor, adapter=name, segment=segment)
+    launch(app, host=host, port=port)
     return 0

@@ -25,6 +25,7 @@ from .generation import generate
 from .image_processing import load_image
 from .lora import lora_modules
 from .paligemma import make_prefix_lm_mask
+from .segmentation import parse_segments
 from PIL import Image, UnidentifiedImageError
 
 # %% ../book/13_demo.ipynb #c008
@@ -36,6 +37,7 @@ TASK_PROMPTS = {
     "detect": "detect {text}",
     "ocr": "ocr",
     "receipt": "extract json",
+    "segment": "segment {text}",
 }
 
 
@@ -132,6 +134,8 @@ class TaskAnswer:
     receipt: dict | None = None  # receipt: the parsed JSON
     # receipt: why the answer is not the JSON asked for
     receipt_error: str = ""
+    # segment: [Segment], the masks decoded (section 12.1)
+    segments: list = field(default_factory=list)
     # stopped at max_new_tokens before <eos>: maybe cut short
     truncated: bool = False
 
@@ -220,6 +224,8 @@ def run_task(
         result.boxes = parse_loc_tokens(answer, image.width, image.height)
     if task == "receipt":
         result.receipt, result.receipt_error = parse_receipt(answer)
+    if task == "segment":
+        result.segments = parse_segments(answer, image.width, image.height)
     return result
 
 # %% ../book/13_demo.ipynb #c019

@@ -5,8 +5,8 @@ __all__ = ['NUM_SEG_CODES', 'CODE_DIM', 'NUM_MASK_TOKENS', 'MASK_SIZE',
            'SEGMENT_PROMPT', 'SCENE_OFFSET', 'MIN_VISIBLE', 'ResBlock',
            'mask_encoder', 'mask_decoder', 'VectorQuantizer', 'Quantized',
            'code_usage', 'MaskVAE', 'shipped_mask_vae_path', 'load_mask_vae',
-           'Segment', 'parse_segments', 'SegmentScene', 'segment_scene',
-           'mask_to_64', 'segment_answer']
+           'Segment', 'parse_segments', 'draw_segments', 'SegmentScene',
+           'segment_scene', 'mask_to_64', 'segment_answer']
 
 # %% ../book/12b_segmentation.ipynb #s002
 import os
@@ -308,6 +308,40 @@ def _mask_in_box(mask64: np.ndarray, box, width: int, height: int):
     mask = torch.zeros(height, width, dtype=torch.bool)
     mask[y0:y1, x0:x1] = torch.from_numpy(np.asarray(resized) > 0)
     return mask
+
+# %% ../book/12b_segmentation.ipynb #d002
+from .boxes import BOX_COLOURS, draw_boxes
+from .image_processing import to_rgb
+from PIL import ImageColor
+
+
+def draw_segments(
+    image: Image.Image, segments, alpha: float = 0.5, width: int = 3
+) -> Image.Image:
+    """A new RGB image: `image` with each valid Segment's mask laid over it
+    (`alpha` of the object's colour, 1 - alpha of the image), then its box
+    and label drawn by draw_boxes in the same colour"""
+    if not 0 < alpha <= 1:
+        raise ValueError(f"alpha {alpha} must be in (0, 1]: 1 paints solid")
+    image = to_rgb(image)
+    shown = [s for s in segments if s.valid]
+    size = (image.height, image.width)
+    for s in shown:
+        if tuple(s.mask.shape) != size:
+            raise ValueError(
+                f"the mask of {s.label!r} is {list(s.mask.shape)}, the image "
+                f"{list(size)}: parse the answer with this image's width and "
+                "height"
+            )
+    pixels = np.asarray(image, dtype=np.float32).copy()  # [H, W, 3]
+    for i, s in enumerate(shown):  # colour i: the one draw_boxes gives box i
+        colour = ImageColor.getrgb(BOX_COLOURS[i % len(BOX_COLOURS)])
+        inside = s.mask.cpu().numpy()
+        pixels[inside] = (1 - alpha) * pixels[inside] + alpha * np.float32(
+            colour
+        )
+    blended = Image.fromarray(pixels.round().astype(np.uint8))
+    return draw_boxes(blended, [(s.box, s.label) for s in shown], width)
 
 # %% ../book/12b_segmentation.ipynb #w002
 import math

@@ -17,11 +17,19 @@ import numpy as np
 import pytest
 from browser import ROOT, SCREENSHOTS, block_outside, chromium
 from PIL import Image
+from scripted import ANSWER, scripted_checkpoint
 
 from paligemma_lib import PaliGemmaProcessor, load_pretrained
 from paligemma_lib.adapters import load_adapter
 from paligemma_lib.boxes import draw_boxes
-from paligemma_lib.demo import EXAMPLES, adapter_disabled, example_image, run_task
+from paligemma_lib.demo import (
+    EXAMPLES,
+    adapter_disabled,
+    example_image,
+    run_task,
+    shipped_adapter,
+)
+from paligemma_lib.segmentation import draw_segments
 
 pytest.importorskip("gradio", reason="the demo extra: pip install '.[demo]'")
 STARTUP_SECONDS = 180  # importing Gradio and loading the model, on a busy machine
@@ -46,10 +54,15 @@ def reference():
 @pytest.fixture(scope="module")
 def server():
     "The demo as a user starts it: by default it serves the shipped receipts adapter"
+    yield from serve_demo()
+
+
+def serve_demo(*flags):
+    "Start `demo` with `flags`, yield its URL once it answers, stop it after"
     port = free_port()
     command = [sys.executable, "-m", "paligemma_lib", "demo", "--port", str(port)]
     process = subprocess.Popen(
-        [*command, "--device", "cpu"],
+        [*command, "--device", "cpu", *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -352,6 +365,77 @@ def test_concurrent_sessions_switching_adapters(server, reference):
     for answers in results:
         for request, text in answers:
             assert text == alone[request], (request, text, alone[request])
+
+
+def test_segment_without_its_adapter_says_so(page, reference):
+    """The segment task uses the shipped 'segment' adapter; until the package ships
+    one, the page answers without it and says so in one line, and draws no mask"""
+    from playwright.sync_api import expect
+
+    from paligemma_lib.app import NO_SEGMENT_ADAPTER
+
+    if shipped_adapter("segment") is not None:  # shipped: on for the segment task
+        ask(page, example="shapes to detect", task="segment", text="circle")
+        switch = page.locator("#adapter").get_by_label("segment", exact=True)
+        expect(switch).to_be_checked(timeout=ANSWER_MS)
+        return
+    example = "shapes to detect"
+    ask(page, example=example, task="segment", text="circle", adapter="none")
+    image, want = expected(reference, example, "segment", "circle", adapter="none")
+    wait_for_answer(page, want)
+    expect(page.locator("#message")).to_have_text(NO_SEGMENT_ADAPTER)
+    # the answer's masks, if any, drawn over the image: nano writes no <seg>
+    drawn = np.asarray(draw_segments(image, want.segments))
+    assert np.array_equal(shown_image(page, "#boxes"), drawn)
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    "A tiny checkpoint whose adapter makes it write one known segment (scripted.py)"
+    return scripted_checkpoint(tmp_path_factory.mktemp("scripted"))
+
+
+@pytest.fixture(scope="module")
+def segment_page(page, scripted):
+    "A second demo, of the scripted model, in a new tab of the same browser"
+    model, adapter = scripted
+    flags = ["--model", model, "--adapter", "none", "--segment-adapter", adapter]
+    for url in serve_demo(*map(str, flags)):
+        tab = page.context.browser.new_page(viewport={"width": 1280, "height": 1000})
+        tab.outside = block_outside(tab, (url,))
+        tab.goto(url)
+        yield tab
+        tab.close()
+
+
+def test_segment_draws_the_masks(segment_page, scripted):
+    """A segment request with the segment adapter (on by default for that task):
+    the page shows the image with the answer's mask and box drawn over it"""
+    from playwright.sync_api import expect
+
+    model_path, adapter = scripted
+    model = load_pretrained(model_path)
+    processor = PaliGemmaProcessor.from_pretrained(model_path)
+    load_adapter(model, adapter)
+    image = example_image("shapes")
+    want = run_task(model, processor, image, "segment", "circle")
+    assert want.text == ANSWER and want.segments[0].mask.any()
+    page = segment_page
+    page.locator("#examples").get_by_label("shapes", exact=True).check()
+    expect(page.locator("#preview img")).to_be_visible(timeout=ANSWER_MS)
+    page.locator("#task").get_by_label("segment", exact=True).check()
+    switch = page.locator("#adapter").get_by_label("segment", exact=True)
+    expect(switch).to_be_checked(timeout=ANSWER_MS)  # the task's adapter
+    page.locator("#text textarea").fill("circle")
+    page.locator("#run").click()
+    wait_for_answer(page, want)
+    shown = shown_image(page, "#boxes")
+    assert np.array_equal(shown, np.asarray(draw_segments(image, want.segments)))
+    mask = want.segments[0].mask.numpy()
+    assert (shown[mask] != np.asarray(image)[mask]).any(-1).mean() > 0.5
+    expect(page.locator("#message")).to_have_text("")
+    assert page.outside == []
+    screenshot(page, "segment")
 
 
 def test_ctrl_c_stops_the_demo_quietly(server):

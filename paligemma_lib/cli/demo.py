@@ -29,6 +29,14 @@ def add_demo_parser(commands) -> None:
         "12) when the package has it",
     )
     demo.add_argument(
+        "--segment-adapter",
+        default=None,
+        help="the LoRA adapter folder of the segment task (section 12.1), on for it "
+        "and switchable in the page, or 'none'. Default: the shipped segment adapter "
+        "when the package has it; without one, the segment task answers without an "
+        "adapter and says so",
+    )
+    demo.add_argument(
         "--host",
         default="127.0.0.1",
         help="address to listen on; anything but this machine's own is warned about",
@@ -44,16 +52,10 @@ def demo_command(args: argparse.Namespace, argv=None) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     check_device(args.device)
-    adapter = args.adapter
-    if adapter is None:
-        adapter = shipped_adapter("receipts")
-    elif adapter == "none":
-        adapter = None
-    elif not Path(adapter).is_dir():
-        raise ValueError(
-            f"--adapter {adapter}: no such folder; give a folder with "
-            "adapter_config.json and adapter_model.safetensors, or 'none'"
-        )
+    adapter = adapter_flag("--adapter", args.adapter, shipped_adapter("receipts"))
+    segment = adapter_flag(
+        "--segment-adapter", args.segment_adapter, shipped_adapter("segment")
+    )
     check_model(args.model)
     try:
         from ..app import serve
@@ -65,4 +67,18 @@ def demo_command(args: argparse.Namespace, argv=None) -> int:
         ) from None
     # Ctrl-C is how the demo is stopped: not an error, status 0
     ON_INTERRUPT.update(message=lambda: "demo stopped", status=0)
-    return serve(args.model, adapter, args.host, args.port, args.device)
+    return serve(args.model, adapter, args.host, args.port, args.device, segment)
+
+
+def adapter_flag(flag: str, value, shipped):
+    "An adapter flag's folder: `shipped` when not given, None for 'none'"
+    if value is None:
+        return shipped
+    if value == "none":
+        return None
+    if not Path(value).is_dir():
+        raise ValueError(
+            f"{flag} {value}: no such folder; give a folder with "
+            "adapter_config.json and adapter_model.safetensors, or 'none'"
+        )
+    return value

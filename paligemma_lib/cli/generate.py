@@ -1,6 +1,6 @@
 # Hand-written CLI wiring, not exported from a notebook: it parses, then calls the lib.
 """`python -m paligemma_lib generate`: answer one prompt about one image (chapters 8
-and 9), or draw the boxes of a detect prompt."""
+and 9), or draw the boxes of a detect prompt, the masks of a segment prompt (12.1)."""
 
 import argparse
 import math
@@ -17,6 +17,7 @@ from ..demo import MAX_IMAGE_PIXELS
 from ..generation import TruncatedAnswerWarning, answer
 from ..image_processing import load_image
 from ..processing import PaliGemmaProcessor
+from ..segmentation import draw_segments, load_mask_vae, parse_segments
 from ..weights import DTYPES, load_pretrained, resolve_device
 from .options import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -50,7 +51,8 @@ def add_generate_parser(commands) -> None:
     gen.add_argument(
         "--prompt",
         required=True,
-        help='task prompt, e.g. "caption en", "answer en ...", "detect cat"',
+        help='task prompt, e.g. "caption en", "answer en ...", "detect cat", '
+        '"segment cat"',
     )
     gen.add_argument(
         "--max-new-tokens",
@@ -80,7 +82,16 @@ def add_generate_parser(commands) -> None:
         "--draw",
         default=None,
         metavar="OUT.png",
-        help="for detect prompts: save the image with the boxes",
+        help="for detect prompts: save the image with the boxes; for segment "
+        "prompts: with the masks (translucent, one colour per object) and boxes",
+    )
+    gen.add_argument(
+        "--seg-vae",
+        default=None,
+        metavar="VAE.npz",
+        help="for segment prompts: the mask VAE that decodes the <seg> tokens, "
+        "e.g. big_vision's vae-oid.npz for real PaliGemma. Default: "
+        "$PALIGEMMA_SEG_VAE when set, else the VAE the package ships (chapter 12.1)",
     )
 
 
@@ -137,16 +148,23 @@ def generate_command(args: argparse.Namespace, argv=None) -> int:
             '--prompt is empty: give a task prompt, e.g. "caption en", "ocr", '
             '"answer en what color is the square?" or "detect circle"'
         )
-    detect = args.prompt.strip().startswith("detect")
-    if args.draw and not detect:
+    task = args.prompt.split()[0]
+    if args.draw and task not in ("detect", "segment"):
         raise ValueError(
-            "--draw saves the boxes of a 'detect ...' prompt; "
+            "--draw saves the boxes of a 'detect ...' prompt or the masks of a "
+            f"'segment ...' prompt; the prompt {args.prompt!r} asks for neither"
+        )
+    if args.seg_vae is not None and task != "segment":
+        raise ValueError(
+            "--seg-vae decodes the masks of a 'segment ...' prompt; "
             f"the prompt {args.prompt!r} asks for none"
         )
     check_sampling_flags(args)
     check_device(args.device)
     if args.draw:
         check_draw_path(args)
+    # a missing or malformed VAE file fails here, before the model loads
+    vae = load_mask_vae(args.seg_vae) if task == "segment" else None
     # Before the (slow) model, so that a bad image, a folder that is not a checkpoint,
     # or one without tokenizer.model fails fast.
     check_image_arg(args.image)
@@ -193,11 +211,30 @@ def generate_command(args: argparse.Namespace, argv=None) -> int:
             warning_note(
                 warning.message, warning.category, warning.filename, warning.lineno
             )
-    if detect:
+    if task == "detect":
         objects = parse_loc_tokens(text, image.width, image.height)
         for (x0, y0, x1, y1), label in objects:
             print(f"{label or '?'}: x0={x0:.0f} y0={y0:.0f} x1={x1:.0f} y1={y1:.0f}")
         if args.draw:
             draw_boxes(image, objects).save(args.draw)
             print(f"{len(objects)} boxes drawn on {args.draw}")
+    if task == "segment":
+        show_segments(image, parse_segments(text, image.width, image.height, vae), args)
     return 0
+
+
+def show_segments(image, segments: list, args: argparse.Namespace) -> None:
+    "One line per object of a segment answer; with --draw, the masks saved"
+    for s in segments:
+        if not s.valid:
+            print(f"{s.label or '?'}: invalid ({s.text[:40]!r})")
+            continue
+        x0, y0, x1, y1 = s.box
+        print(
+            f"{s.label or '?'}: x0={x0:.0f} y0={y0:.0f} x1={x1:.0f} y1={y1:.0f} "
+            f"mask={int(s.mask.sum())} pixels"
+        )
+    if args.draw:
+        draw_segments(image, segments).save(args.draw)
+        masks = sum(s.valid for s in segments)
+        print(f"{masks} masks drawn on {args.draw}")
