@@ -154,7 +154,8 @@ def test_fsdp_lora_two_processes_equal_one_without(tmp_path, lora_reference):
     """LoRA under FSDP: the frozen base sharded, the adapters trained. On the same
     global batch, 2 sharded processes train the adapters as one plain process; AdamW
     holds the adapters alone; FSDP reduce-scatters only their gradients, none of the
-    frozen base's; the adapter written at the end is a one-process run's."""
+    frozen base's; the adapter written at the end is a one-process run's, and PEFT
+    loads it."""
     from safetensors.torch import load_file
 
     from paligemma_lib.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter
@@ -189,6 +190,30 @@ def test_fsdp_lora_two_processes_equal_one_without(tmp_path, lora_reference):
     start = lora_state_dict(model)
     name = "language_model.model.layers.0.self_attn.q_proj.lora_B.weight"
     assert not torch.equal(one[name], start[name])  # zeros at the start
+    # PEFT loads it onto transformers' copy of the same base, with the same logits
+    import peft
+    import transformers
+
+    from paligemma_lib.weights import save_pretrained
+
+    save_pretrained(toy_model(), tmp_path / "base")
+    theirs = transformers.PaliGemmaForConditionalGeneration.from_pretrained(
+        tmp_path / "base", dtype=torch.float32
+    )
+    theirs = peft.PeftModel.from_pretrained(theirs, folders[1]).eval()
+    batch = collate([DATA[i] for i in range(4)])
+    keys = ("input_ids", "pixel_values", "attention_mask", "token_type_ids")
+    with torch.no_grad():
+        expected = loaded.eval()(**{k: batch[k] for k in keys}).logits
+        got = theirs(**{k: batch[k] for k in keys}).logits
+    real = batch["attention_mask"].bool()  # padding's logits are nobody's
+    # fp32 both, other kernels and orders: products of width <= 32 (~32 x 2^-24
+    # relative each) over 3 layers and a softmax, within 1e-4 on logits of order 1
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        base = toy_model().eval()(**{k: batch[k] for k in keys}).logits
+    # the comparison sees the adapter: without it the logits move 10x the tolerance
+    assert (base[real] - expected[real]).abs().max() > 10 * 1e-4
 
 
 def test_fsdp_comparison_catches_summed_gradients(tmp_path):
