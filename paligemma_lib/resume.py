@@ -26,6 +26,7 @@ from .lora import lora_modules
 from .weights import load_pretrained, save_pretrained
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
@@ -164,6 +165,21 @@ def _staging(final: Path) -> Path:
     return final.parent / name[0]
 
 
+def _sharded_state(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
+    """(weights, AdamW's state, options) as DCP saves and loads them. With
+    LoRA adapters, the trainable weights alone, as a plain checkpoint holds
+    only the adapter: the frozen base is the model the run started from"""
+    adapters = bool(lora_modules(model))
+    options = StateDictOptions(
+        ignore_frozen_params=adapters, strict=not adapters
+    )
+    weights, moments = get_state_dict(model, optimizer, options=options)
+    if adapters:  # the tied LM head too: named_parameters lists it once
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        weights = {k: v for k, v in weights.items() if k in trainable}
+    return weights, moments, options
+
+
 def save_sharded_checkpoint(
     out_dir, model, optimizer, scheduler, state: dict, keep: int = 2
 ) -> Path:
@@ -177,7 +193,7 @@ def save_sharded_checkpoint(
     final = root / f"step-{state['step']:07d}"
     staging = _staging(final)
     try:
-        weights, moments = get_state_dict(model, optimizer)
+        weights, moments, _ = _sharded_state(model, optimizer)
         dcp.save({"model": weights, "optim": moments}, checkpoint_id=staging)
         torch.save(rng_states(), staging / f"rng-{rank}.pt")
         if rank == 0:
@@ -203,17 +219,21 @@ def save_sharded_checkpoint(
 
 def load_sharded_checkpoint(folder, model, optimizer, scheduler) -> dict:
     """`load_checkpoint` of a sharded checkpoint into a sharded model, with
-    any number of processes: DCP reads the pieces of this process's shards"""
+    any number of processes: DCP reads the pieces of this process's shards
+    (with LoRA, of the adapters': the base is already the run's start)"""
     folder = Path(folder)
-    weights, moments = get_state_dict(model, optimizer)  # the shapes wanted
+    weights, moments, options = _sharded_state(model, optimizer)  # the shapes
     both = {"model": weights, "optim": moments}
     dcp.load(both, checkpoint_id=folder)
-    set_state_dict(
+    missing, _ = set_state_dict(
         model,
         optimizer,
         model_state_dict=both["model"],
         optim_state_dict=both["optim"],
+        options=options,
     )
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not trainable & set(missing), missing  # dcp.load read them all
     state = torch.load(folder / TRAINING_STATE, weights_only=True)
     scheduler.load_state_dict(state.pop("scheduler"))
     rank = dist.get_rank()

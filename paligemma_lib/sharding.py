@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from .lora import lora_modules
+from .lora import add_lora, lora_modules, lora_state_dict
 from .paligemma import PaliGemmaForConditionalGeneration
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -30,7 +30,8 @@ from torch.nn.parallel import DistributedDataParallel
 __doc__ = """Data parallelism (chapter 11.2): DDP copies the model into every
 process, FSDP2 (`shard_model`) shards its weights, gradients and optimiser
 state across them; the gradient exchange held back during accumulation
-(`gradient_sync`); a sharded model gathered back for saving."""
+(`gradient_sync`); a sharded model, or its LoRA adapters, gathered back for
+saving."""
 
 # %% ../book/11b_training.ipynb #sh02
 def sharding_policy(
@@ -54,11 +55,6 @@ def check_shardable(model: nn.Module):
             f"fsdp with an int8 model ({len(int8)} layers, e.g. {int8[0]}): "
             "FSDP shards and trains float weights; load the model without "
             "quantize='int8'"
-        )
-    if lora_modules(model):
-        raise ValueError(
-            "fsdp with LoRA adapters is not supported yet: an adapter's "
-            "training fits one GPU; leave out fsdp (DDP copies the model)"
         )
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
@@ -133,15 +129,31 @@ def gradient_sync(model: nn.Module, sync: bool = True):
 # %% ../book/11b_training.ipynb #sh07
 def gathered_model(model: nn.Module) -> nn.Module | None:
     """A plain copy of a sharded model on process 0's CPU, from the full
-    state dict; every process must call it. None on the others"""
-    full = get_model_state_dict(
-        model,
-        options=StateDictOptions(full_state_dict=True, cpu_offload=True),
-    )
+    state dict; every process must call it. None on the others. With LoRA
+    adapters only the trainable weights, the adapters, are gathered: the
+    copy's frozen base stays on the `meta` device (the base is the model the
+    run started from), and `save_adapter` writes the copy's adapters"""
+    adapters = bool(lora_modules(model))
+    if adapters:  # each adapter's shards, all-gathered by every process
+        full = {
+            name: weight.detach().full_tensor().cpu()
+            for name, weight in lora_state_dict(model).items()
+        }
+    else:
+        full = get_model_state_dict(
+            model,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+        )
     if dist.get_rank() != 0:
         return None
     with torch.device("meta"):
         plain = PaliGemmaForConditionalGeneration(model.config)
-    plain.load_state_dict(full, assign=True)
+        if adapters:
+            add_lora(plain, model.lora_config)
+    missing, unexpected = plain.load_state_dict(
+        full, strict=not adapters, assign=True
+    )
+    trainable = {n for n, p in plain.named_parameters() if p.requires_grad}
+    assert not unexpected and not trainable & set(missing), unexpected
     plain.language_model.tie_weights()  # assign replaced the shared weight
     return plain

@@ -147,7 +147,7 @@ def run_training(run: TrainingRun, on_start=None) -> dict:
     """Build or load the model, train it (`train`), save it (or only its
     adapter) and training_record.json into `run.out`; the record. Every
     process under torchrun calls it; rank 0 saves (with config.fsdp, the model
-    gathered from the shards). `on_start()` runs on rank 0
+    or its adapters gathered from the shards). `on_start()` runs on rank 0
     just before the first step."""
     rank, world_size = world()
     torch.manual_seed(run.config.seed)
@@ -204,7 +204,8 @@ def run_training(run: TrainingRun, on_start=None) -> dict:
         "final_metrics": history["eval"][-1] if history["eval"] else {},
         "history": history,
     }
-    if run.config.fsdp:  # every process sends its shards; None on the others
+    if run.config.fsdp:  # every process sends its shards (with LoRA, only the
+        # adapters'); None on the others
         model = gathered_model(model)
     if rank == 0:
         if lora is not None:

@@ -213,11 +213,6 @@ def train_command(args: argparse.Namespace, argv) -> int:
             f"--out {out} holds the checkpoints of a run: add --resume to continue it, "
             "or choose another folder"
         )
-    if config.fsdp and lora is not None:
-        raise ValueError(
-            "--fsdp shards no LoRA adapter yet (an adapter's training fits one GPU): "
-            "leave out --lora, or --fsdp"
-        )
     check_device(args.device)
     if args.model is not None:
         check_model(args.model)
