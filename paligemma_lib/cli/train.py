@@ -218,6 +218,11 @@ def train_command(args: argparse.Namespace, argv) -> int:
         check_model(args.model)
     device = resolve_device(args.device)
     rank, world_size = init_distributed()
+    if config.fsdp and not torch.distributed.is_initialized():  # before the model
+        raise ValueError(
+            "--fsdp needs torchrun: torchrun --nproc_per_node N -m paligemma_lib "
+            "train --fsdp ... (N=1 is fine)"
+        )
     config.micro_batch_size(world_size)  # checks the split before the data loads
     if device.type == "cuda" and world_size > 1:
         device = torch.device("cuda", torch.cuda.current_device())
