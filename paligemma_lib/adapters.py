@@ -222,7 +222,8 @@ def adapted_module(key: str) -> tuple[str, str]:
 
 # name -> its folder inside the package: adapters trained in the book (chapter
 # 12)
-SHIPPED_ADAPTERS = {"receipts": "assets/receipts"}
+# receipts: chapter 12; segment: chapter 12.1
+SHIPPED_ADAPTERS = {"receipts": "assets/receipts", "segment": "assets/segment"}
 
 
 def resolve_adapter_path(name_or_path) -> Path:

@@ -254,13 +254,13 @@ def compute_metrics(rows: list[dict]) -> dict:
 
 def format_metrics(metrics: dict) -> str:
     "The metrics table: one line per (task, metric)"
-    lines = [f"{'task':<12} {'metric':<22} {'value':>8}"]
+    lines = [f"{'task':<12} {'metric':<24} {'value':>8}"]
     for task, values in metrics.items():
         for name, value in values.items():
             shown = (
                 f"{value:>8d}" if isinstance(value, int) else f"{value:>8.4f}"
             )
-            lines.append(f"{task:<12} {name:<22} {shown}")
+            lines.append(f"{task:<12} {name:<24} {shown}")
     return "\n".join(lines)
 
 

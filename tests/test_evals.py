@@ -121,3 +121,78 @@ def test_reported_seeds_are_refused_for_other_files(tmp_path):
     )
     with pytest.raises(SystemExit, match="--start 6100"):
         evaluate_fresh.check_seeds_unused(6050, 6060, files, results)
+
+
+# --- chapter 12.1: the shipped segment adapter on the segments world's test scenes
+
+
+def segment_evaluation() -> dict:
+    record = json.loads(
+        (resolve_adapter_path("segment") / "training_record.json").read_text()
+    )
+    return record["evaluations"]["segments/test"]
+
+
+def test_segment_evaluation_scored_the_shipped_files():
+    "The sha256 of the adapter's and the VAE's weights it scored are the shipped ones"
+    import evaluate_segment
+
+    evaluation = segment_evaluation()
+    assert len(evaluation["commit"]) >= 40
+    assert evaluation["split"] == "test"
+    shipped = {
+        "segment/adapter_model.safetensors": resolve_adapter_path("segment")
+        / "adapter_model.safetensors",
+        "segment/adapter_config.json": resolve_adapter_path("segment")
+        / "adapter_config.json",
+        "mask_vae/mask_vae.npz": ROOT / "paligemma_lib/assets/mask_vae/mask_vae.npz",
+    }
+    assert set(evaluation["files"]) == set(shipped)
+    for name, path in shipped.items():
+        assert evaluation["files"][name] == evaluate_segment.sha256(path), name
+    # the benchmarks/results copy is the same evaluation
+    copies = sorted((ROOT / "benchmarks/results").glob("segment-test-*.json"))
+    assert copies and json.loads(copies[-1].read_text()) == evaluation
+
+
+def test_segment_metrics_are_the_saved_grades_summary():
+    from paligemma_lib.segment_eval import summarize
+
+    evaluation = segment_evaluation()
+    first, last = evaluation["indices"]
+    rows = evaluation["rows"]
+    assert len(rows) == last - first + 1 and first >= 1000  # past tests/test_cli.py's
+    data = SyntheticDataset("segments", "test", size=last + 1)
+    kinds = []
+    for index, row in zip(range(first, last + 1), rows):
+        assert row["seed"] == SPLITS["test"][index]
+        kinds.append(row["prompt"].removeprefix("segment "))
+    assert kinds[:20] == [data.example(i).labels[0] for i in range(first, first + 20)]
+    assert summarize(kinds, [row["grades"] for row in rows]) == evaluation["metrics"]
+
+
+def test_readme_segment_numbers_are_the_record():
+    metrics = segment_evaluation()["metrics"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    first, last = segment_evaluation()["indices"]
+    better = max(metrics["filled box mIoU"], metrics["class mask mIoU"])
+    assert f"mask mIoU of {metrics['mIoU']:.2f}" in readme
+    assert f"{better:.2f} for the better baseline" in readme
+    assert f"test scenes {first}-{last}" in readme
+
+
+def test_readme_segment_picture_is_a_graded_test_scene():
+    "The README's scene is test scene 1001 of the segments world, one of those graded"
+    import numpy as np
+
+    from paligemma_lib.image_processing import load_image
+
+    first, last = segment_evaluation()["indices"]
+    assert first <= 1001 <= last
+    scene = SyntheticDataset("segments", "test", size=1002).example(1001)
+    picture = load_image(ROOT / "book/figures/segment_scene.png")
+    assert np.array_equal(np.asarray(picture), np.asarray(scene.image))
+    assert scene.prompt == "segment circle"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert '--prompt "segment circle" --adapter segment --draw masks.png' in readme
+    assert (ROOT / "book/figures/segment_masks.png").is_file()

@@ -3,10 +3,11 @@
 
     python tools/evaluate_segment.py [--n 300] [--start 1000] [--out FILE]
 
-Writes benchmarks/results/segment-test-DATE.json: the git commit, the sha256 of the
-adapter's and the VAE's files, every prompt, answer and prediction (so the chapter can
-grade them again), and the metrics of chapter 12.1 (`segment_metrics`): mask mIoU per
-kind against the filled box and the class's average mask in the model's own boxes.
+Writes benchmarks/results/segment-test-DATE.json, and the same under "evaluations" in
+the shipped adapter's training_record.json: the git commit, the sha256 of the adapter's
+and the VAE's weights, every prompt and prediction with its grades (so the chapter can
+grade them again), and the metrics of chapter 12.1 (`summarize`): mask mIoU per kind
+against the filled box and the class's average mask in the model's own boxes.
 
 Which test scenes: indices `--start` .. `--start + n - 1` of the segments world's test
 split. Indices 0-2 are graded by tests/test_cli.py with the base model; from 1000 on, no
@@ -29,7 +30,7 @@ from paligemma_lib import PaliGemmaProcessor, load_pretrained
 from paligemma_lib.adapters import load_adapter, resolve_adapter_path
 from paligemma_lib.data import SyntheticDataset
 from paligemma_lib.evaluation import predict
-from paligemma_lib.segment_eval import segment_metrics
+from paligemma_lib.segment_eval import average_masks, grade, summarize
 from paligemma_lib.segmentation import shipped_mask_vae_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,6 +50,11 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--split",
+        default="test",
+        help="validation: a dry run that spends no test scene",
+    )
     args = parser.parse_args()
     out = (
         args.out
@@ -56,39 +62,53 @@ def main() -> int:
     )
     torch.manual_seed(0)
     processor = PaliGemmaProcessor.from_pretrained("nano")
-    model = load_adapter(load_pretrained("nano"), "segment").eval()
-    data = SyntheticDataset("segments", split="test", size=args.start + args.n)
+    model = load_pretrained("nano")
+    load_adapter(model, "segment")  # in place
+    model.eval()
+    data = SyntheticDataset("segments", split=args.split, size=args.start + args.n)
     indices = range(args.start, args.start + args.n)
     started = time.perf_counter()
     rows = predict(
         model, processor, Subset(data, indices), args.batch_size, MAX_NEW_TOKENS
     )
     examples = [data.example(i) for i in indices]
-    predictions = [row["prediction"] for row in rows]
-    metrics = segment_metrics(examples, predictions)
+    averages = average_masks()
+    grades = [
+        grade(ex, row["prediction"], averages=averages)
+        for ex, row in zip(examples, rows)
+    ]
+    metrics = summarize([ex.labels[0] for ex in examples], grades)
     adapter = resolve_adapter_path("segment")
-    record = {
+    evaluation = {
         "command": "python tools/evaluate_segment.py "
-        + f"--n {args.n} --start {args.start}",
+        + f"--n {args.n} --start {args.start} --split {args.split}",
         "commit": git_commit(),
         "date": f"{date.today():%Y-%m-%d}",
         "torch": torch.__version__,
         "files": {
-            f"{path.parent.name}/{path.name}": hashlib.sha256(
-                path.read_bytes()
-            ).hexdigest()
+            f"{path.parent.name}/{path.name}": sha256(path)
             for folder in (adapter, shipped_mask_vae_path().parent)
             for path in sorted(folder.iterdir())
-            if path.is_file()
+            if path.suffix in (".safetensors", ".npz")
+            or path.name == "adapter_config.json"
         },
-        "split": "test",
+        "split": args.split,
         "indices": [args.start, args.start + args.n - 1],
         "max_new_tokens": MAX_NEW_TOKENS,
         "seconds": round(time.perf_counter() - started, 1),
         "metrics": metrics,
-        "rows": [row | {"seed": ex.seed} for row, ex in zip(rows, examples)],
+        "rows": [
+            {"seed": ex.seed, "prompt": row["prompt"], "prediction": row["prediction"]}
+            | {"grades": g}
+            for row, ex, g in zip(rows, examples, grades)
+        ],
     }
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    # the shipped adapter's record carries it (the chapter reads it anywhere)
+    record_file = adapter / "training_record.json"
+    record = json.loads(record_file.read_text())
+    record.setdefault("evaluations", {})[f"segments/{args.split}"] = evaluation
+    record_file.write_text(json.dumps(record, indent=1) + "\n")
+    out.write_text(json.dumps(evaluation, indent=1) + "\n")
     for name, value in metrics.items():
         print(f"{name:<26} {value}")
     print(f"written to {out}")
