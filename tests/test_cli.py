@@ -521,7 +521,15 @@ def test_save_with_the_processor_then_the_cli_answers_the_same(
     save_pretrained(model, tmp_path / "saved", processor=processor)
     run = run_main(capsys, checkpoint, model=tmp_path / "saved")
     assert run.returncode == 0, run.stderr
-    expected = answer(model, processor, checkpoint / "image.png", "caption en")
+    from paligemma_lib.cli.options import DEFAULT_MAX_NEW_TOKENS
+
+    expected = answer(
+        model,
+        processor,
+        checkpoint / "image.png",
+        "caption en",
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS,  # the command's default
+    )
     assert run.stdout == expected + "\n" == run_main(capsys, checkpoint).stdout
 
 
@@ -784,7 +792,7 @@ def test_every_option_has_help_and_shows_its_default():
             assert action.help, (name, action.option_strings)
         text = " ".join(sub.format_help().split())
         if name in ("generate", "evaluate"):
-            assert "(default: 64)" in text, name
+            assert "(default: 80)" in text, name  # DEFAULT_MAX_NEW_TOKENS
         if name == "train":
             for words in (
                 "--min-lr-ratio MIN_LR_RATIO the cosine",

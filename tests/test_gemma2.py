@@ -487,7 +487,8 @@ def saved_with_processor(folder):
     return model, PaliGemmaProcessor.from_pretrained(folder)
 
 
-DEMO_TEXT = {"question": "what colour is it?", "detect": "square"}  # typed by a user
+# typed by a user
+DEMO_TEXT = {"question": "what colour is it?", "detect": "square", "segment": "square"}
 
 
 def test_the_demo_answers_each_task_from_a_paligemma2_folder(tmp_path):
