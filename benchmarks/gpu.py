@@ -31,7 +31,15 @@ runs), time-boxed by a deadline for the whole run:
   the adapters, batch 2 of about 300 tokens (256 image tokens and a text). Peak memory
   (torch.cuda.max_memory_allocated) and the median step time.
 
-Results go to OUT/gpu-<device>-<date>.json; a table is printed at the end.
+- int8 (`--short` only, last): ours with chapter 8.1's int8 decoder weights
+  (`quantize_int8` of a copy), eager and compiled.
+
+`--short` is the form tools/gpu_run.py runs within its budget: no op counts and no
+LoRA section (its T4 part measures LoRA), two repeats, and the sections in the order
+of what they tell: batch 1 first, ours compiled against transformers' compiled, then
+eager, then batch 8, then int8.
+
+Results go to OUT/gpu-<device>-<date>.json (or `--file`); a table is printed at the end.
 """
 
 import argparse
@@ -56,6 +64,17 @@ from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration  # noqa: E
 
 NEW_TOKENS = 64
 BATCHES = (1, 8)
+# --short: (implementation, batch), most telling first
+SHORT = [
+    ("ours compiled", 1),
+    ("transformers static compiled", 1),
+    ("ours eager", 1),
+    ("transformers eager", 1),
+    ("ours compiled", 8),
+    ("transformers static compiled", 8),
+    ("ours int8 eager", 1),
+    ("ours int8 compiled", 1),
+]
 START = time.perf_counter()
 
 
@@ -216,9 +235,23 @@ def section(results, name, deadline, fn):
         sys.stdout.flush()
 
 
+def int8_copy(models):
+    "A copy of ours with int8 decoder weights (chapter 8.1), made once"
+    if "int8" not in models:
+        import copy
+
+        from paligemma_lib.quantize import quantize_int8
+
+        models["int8"] = copy.deepcopy(models["ours"])
+        quantize_int8(models["int8"])
+    return models["int8"]
+
+
 def decode_section(models, config, args, dtype, impl, batch_size):
     ours, theirs = models["ours"], models["theirs"]
     inputs = prompts(config, batch_size, args.device, dtype)
+    if impl.startswith("ours int8"):
+        ours, impl = int8_copy(models), impl.replace(" int8", "")
     if impl == "ours eager":
         fn = lambda n: run_ours(ours, inputs, n)  # noqa: E731
     elif impl == "ours compiled":
@@ -357,7 +390,11 @@ def main():
     parser.add_argument(
         "--budget", type=float, default=300, help="no decode section starts after it"
     )
+    parser.add_argument("--short", action="store_true", help="tools/gpu_run.py's form")
+    parser.add_argument("--file", type=Path, help="the JSON's path (default: in OUT)")
     args = parser.parse_args()
+    if args.short:
+        args.repeats = min(args.repeats, 2)
     deadline = START + args.budget
     import transformers
 
@@ -381,7 +418,9 @@ def main():
     sections = results["sections"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"gpu-{device.type}-{args.config}-{datetime.now():%Y%m%d-%H%M}.json"
+    path = args.file or (
+        out / f"gpu-{device.type}-{args.config}-{datetime.now():%Y%m%d-%H%M}.json"
+    )
 
     def save():
         path.write_text(json.dumps(results, indent=1))
@@ -389,6 +428,14 @@ def main():
     models = {}
     section(sections, "build", deadline, lambda: _build(models, config, device, dtype))
     save()
+    if args.short and "ours" in models:
+        for impl, batch_size in SHORT:
+            run = partial(decode_section, models, config, args, dtype, impl, batch_size)
+            section(sections, f"decode {impl}, batch {batch_size}", deadline, run)
+            save()
+        table(results)
+        log(f"wrote {path}")
+        return
     for batch_size in BATCHES:
         if "ours" not in models:
             break
@@ -439,13 +486,19 @@ def table(results):
             "ours compiled",
             "transformers eager",
             "transformers static compiled",
+            "ours int8 eager",
+            "ours int8 compiled",
         ]:
             r = sections.get(f"decode {impl}, batch {batch_size}", {})
             if "ms_per_step" not in r:
                 problem = r.get("error", r.get("skipped", "not run"))
                 print(f"{impl:32} {batch_size:5}  {problem[:60]}")
                 continue
-            same = "same" if r["tokens"] == reference.get("tokens") else "differ"
+            same = (
+                "n/a"
+                if "tokens" not in reference
+                else ("same" if r["tokens"] == reference["tokens"] else "differ")
+            )
             print(
                 f"{impl:32} {batch_size:5} {r['ms_per_step']:8.2f} "
                 f"{r['tokens_per_s']:7.1f} "

@@ -44,6 +44,21 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def grade_scenes(model, processor, split: str, start: int, n: int, batch_size=32):
+    """The model's answers on scenes start .. start+n-1 of the segments world's
+    `split`, graded as chapter 12.1 grades them: (rows, examples, grades, metrics)"""
+    data = SyntheticDataset("segments", split=split, size=start + n)
+    indices = range(start, start + n)
+    rows = predict(model, processor, Subset(data, indices), batch_size, MAX_NEW_TOKENS)
+    examples = [data.example(i) for i in indices]
+    averages = average_masks()
+    grades = [
+        grade(ex, row["prediction"], averages=averages)
+        for ex, row in zip(examples, rows)
+    ]
+    return rows, examples, grades, summarize([ex.labels[0] for ex in examples], grades)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=300)
@@ -65,19 +80,10 @@ def main() -> int:
     model = load_pretrained("nano")
     load_adapter(model, "segment")  # in place
     model.eval()
-    data = SyntheticDataset("segments", split=args.split, size=args.start + args.n)
-    indices = range(args.start, args.start + args.n)
     started = time.perf_counter()
-    rows = predict(
-        model, processor, Subset(data, indices), args.batch_size, MAX_NEW_TOKENS
+    rows, examples, grades, metrics = grade_scenes(
+        model, processor, args.split, args.start, args.n, args.batch_size
     )
-    examples = [data.example(i) for i in indices]
-    averages = average_masks()
-    grades = [
-        grade(ex, row["prediction"], averages=averages)
-        for ex, row in zip(examples, rows)
-    ]
-    metrics = summarize([ex.labels[0] for ex in examples], grades)
     adapter = resolve_adapter_path("segment")
     evaluation = {
         "command": "python tools/evaluate_segment.py "

@@ -46,35 +46,57 @@ class Driver:
             text=True,
         )
 
-    def calibrate(self, runs: dict, budget: float, reserve: float) -> int | None:
-        """Run every configuration 90 steps side by side (discarded); the time between
-        the first run's evaluations at steps 30 and 90 gives the rate. The step count
-        that fits what is left of `budget` less `reserve` (None if calibration fails)"""
-        stamps, procs = {}, []
+    def calibrate(
+        self,
+        runs: dict,
+        budget: float,
+        reserve: float,
+        probe: int = 90,
+        floor: int = 100,
+        eval_size: int = 16,
+    ) -> int | None:
+        """Run every configuration `probe` steps side by side (discarded); the time
+        between the first run's evaluations at steps probe/3 and probe gives the
+        rate. The step count that fits what is left of `budget` less `reserve`, a
+        multiple of `floor` and at least `floor` (None if calibration fails)"""
+        stamps, procs, marks = {}, [], (f"step {probe // 3}:", f"step {probe}:")
         for i, (name, extra) in enumerate(runs.items()):
-            small = [*extra, "--eval-size", "16", "--eval-every", "30"]
-            procs.append(self.train(90, small, self.work / f"cal-{name}", i == 0))
+            small = [*extra, "--eval-size", str(eval_size)]
+            small += ["--eval-every", str(probe // 3)]
+            procs.append(self.train(probe, small, self.work / f"cal-{name}", i == 0))
         for line in procs[0].stdout:
             self.log.write(line)
-            if line.startswith(("step 30:", "step 90:")):
+            if line.startswith(marks):
                 stamps[line.split(":")[0]] = time.time()
         if any(p.wait() for p in procs) or len(stamps) != 2:
             self.say("calibration failed; see the log")
             return None
-        per_step = (stamps["step 90"] - stamps["step 30"]) / 60
+        per_step = (stamps[marks[1][:-1]] - stamps[marks[0][:-1]]) / (
+            probe - probe // 3
+        )
         left = budget - (time.time() - self.begin) - reserve
-        steps = max(100, int(left / per_step * 0.85) // 100 * 100)
+        steps = max(floor, int(left / per_step * 0.85) // floor * floor)
         self.say(
             f"calibration: {per_step:.3f} s a step ({len(runs)} runs); {steps} fit"
         )
         return steps
 
-    def run_all(self, runs: dict, steps: int, extra: list[str]) -> list[str]:
-        "Train every run side by side; the names of those that finished"
+    def run_all(
+        self, runs: dict, steps: int, extra: list[str], timeout: float | None = None
+    ) -> list[str]:
+        """Train every run side by side; the names of those that finished (within
+        `timeout` seconds, if given: a run still going then is killed)"""
         procs = {
             n: self.train(steps, [*e, *extra], self.work / n) for n, e in runs.items()
         }
-        codes = {n: p.wait() for n, p in procs.items()}
+        end = None if timeout is None else time.time() + timeout
+        codes = {}
+        for n, p in procs.items():
+            try:
+                codes[n] = p.wait(None if end is None else max(1, end - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes[n] = f"killed after {timeout:.0f} s"
         self.say("training exit codes:", codes, f"({time.time() - self.begin:.0f} s)")
         return [n for n, code in codes.items() if code == 0]
 

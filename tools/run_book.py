@@ -2,6 +2,7 @@
 
     python tools/run_book.py --device cuda            # every chapter, on the GPU
     python tools/run_book.py --device cpu 01 06       # chapters 01 and 06, GPUs hidden
+    python tools/run_book.py --device cuda --parallel 4 08 12  # side by side
 
 Each chapter runs top to bottom in a fresh Jupyter kernel (nbclient), from book/ as the
 chapters expect, within --timeout seconds. `--device cpu` hides the GPUs from the
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -186,6 +188,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--timeout", type=float, default=1800, help="seconds per chapter (1800)"
     )
+    parser.add_argument(
+        "--parallel", type=int, default=1, help="chapters run side by side (1)"
+    )
     parser.add_argument("--book", type=Path, default=ROOT / "book")
     parser.add_argument(
         "--output",
@@ -232,16 +237,22 @@ def main(argv: list[str] | None = None) -> int:
         "chapters": [],
     }
     output.parent.mkdir(parents=True, exist_ok=True)
-    for chapter in selected:
-        row = run_chapter(chapter, args.device, args.timeout, env)
-        record["chapters"].append(row)
-        where = "" if row["passed"] else f" at {row['failed_cell']}: {row['error']}"
-        print(
-            f"{row['chapter']:<40} {'passed' if row['passed'] else 'FAILED'}"
-            f" {row['seconds']:8.1f} s{where}",
-            flush=True,
-        )
-        output.write_text(json.dumps(record, indent=1) + "\n")  # as far as it got
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        rows = [
+            pool.submit(run_chapter, chapter, args.device, args.timeout, env)
+            for chapter in selected
+        ]
+        for future in as_completed(rows):
+            row = future.result()
+            record["chapters"].append(row)
+            where = "" if row["passed"] else f" at {row['failed_cell']}: {row['error']}"
+            print(
+                f"{row['chapter']:<40} {'passed' if row['passed'] else 'FAILED'}"
+                f" {row['seconds']:8.1f} s{where}",
+                flush=True,
+            )
+            output.write_text(json.dumps(record, indent=1) + "\n")  # as far as it got
+    record["chapters"].sort(key=lambda row: row["chapter"])
     record["passed"] = all(row["passed"] for row in record["chapters"])
     record["seconds"] = round(sum(row["seconds"] for row in record["chapters"]), 1)
     output.write_text(json.dumps(record, indent=1) + "\n")

@@ -1,0 +1,653 @@
+# Hand-written, not exported from a notebook.
+"""Everything a lent GPU must do, in one command (issue 38).
+
+    python3 tools/gpu_run.py --out DIR             # on the GPU machine: 9 min, H100
+    python3 tools/gpu_run.py --out DIR --only t4,speed  # again, some parts only
+    python3 tools/gpu_run.py --rehearse --out DIR  # the same on a CPU, tiny (CI)
+    python3 tools/gpu_run.py --ingest DIR          # here, afterwards: results in place
+
+A GPU comes rarely (15 minutes, its start included; a command at most 10; 8 files
+back), so its work is this one prepared command, rehearsed on the CPU by CI. Run from
+a plain copy of the repository with the machine's own python (torch, transformers,
+peft there); it installs nothing but the wheels in `.whl/` (Jupyter's kernel and
+nbclient, for the chapters: A.4 says how to fetch them), into a temporary folder.
+
+The parts, in order, each within its own budget (`BUDGETS`, seconds), each writing
+to DIR as soon as it has results, so that a run cut short returns what it did:
+
+1. branches: tests/gpu (every CUDA-only branch of the library) and, side by side,
+   the chapters with GPU branches executed on CUDA with their own checks
+   (tools/run_book.py --device cuda).
+2. t4: the GPU plays Colab's T4: compute capability 7.5 (so the library picks fp16
+   autocast and the loss scaler, as on a T4), memory capped at 15 GiB, two data
+   workers. Chapter 12's GPU recipe (the receipts adapter, 600 steps of 64) with its
+   time, examples per second, peak memory and metrics on 96 fresh test receipts;
+   then a LoRA step of PaliGemma-3B's shapes (random weights) under the same cap, its
+   frozen weights in float32 (what `pick_device` gives a T4) and in float16.
+3. segment: the `segment` adapter's recipe at a GPU's scale against full
+   fine-tuning, side by side for the same minutes; the choice on validation scenes;
+   the LoRA adapter comes back as one file, graded on fresh test scenes by --ingest.
+4. speed: benchmarks/gpu.py --short at PaliGemma-3B's shapes (random bf16 weights).
+
+DIR receives at most 8 files: `FILES`. --ingest DIR (on this machine) puts them where
+they belong: benchmarks/results/, the speed page (A.2), chapter 12's bars for its GPU
+branch, and the adapter into the package only if it grades better than the shipped
+one on test scenes no choice has seen.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import traceback
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+PARTS = ("branches", "t4", "segment", "speed")
+BUDGETS = {"branches": 180, "t4": 120, "segment": 150, "speed": 90}  # 540 s: 9 min
+# the CPU rehearsal: the same steps, tiny
+REHEARSAL_BUDGETS = {"branches": 240, "t4": 150, "segment": 200, "speed": 40}
+FILES = ("run.json", "book.json", "speed.json", "segment-adapter.tar", "log.txt")
+# the chapters whose cells branch on a GPU; chapter 13 has none (its page runs the
+# model where it was loaded), and its Gradio is not on the GPU machine
+CHAPTERS = ("08_", "08b", "09_", "11b", "11c", "12_", "12b")
+REHEARSED_CHAPTER = "08b"  # the CPU rehearsal runs one chapter: CI runs them all
+T4_MEMORY = 15 * 2**30  # what Colab's T4 offers a process
+T4_WORKERS = 2  # Colab's CPU cores
+SEGMENT_RUNS = {  # today's shipped recipe, and every weight trained (<seg> rows too)
+    "lora": ["--lora", "--lora-targets", "all", "--lora-r", "16", "--lora-alpha", "32",
+             "--lr", "2e-3"],
+    "full": ["--lr", "3e-4"],
+}  # fmt: skip
+SEGMENT_VALIDATION = 64  # validation scenes the choice reads
+SEGMENT_TEST_START = 1300  # --ingest grades from here: no evaluation has seen them
+SEGMENT_GOAL = 0.75  # chapter 12.1's goal for the mask mIoU
+
+
+class Run:
+    "DIR, the record run.json, the log; every part writes through it"
+
+    def __init__(self, out: Path, rehearse: bool):
+        self.out, self.rehearse = out, rehearse
+        out.mkdir(parents=True, exist_ok=True)
+        self.log = open(out / "log.txt", "a")
+        self.record = {
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "rehearsal": rehearse,
+            "command": " ".join(["python3 tools/gpu_run.py", *sys.argv[1:]]),
+            "environment": environment(),
+            "parts": {},
+        }
+        if (out / "run.json").exists():  # --only: the earlier parts stay
+            earlier = json.loads((out / "run.json").read_text())
+            self.record["parts"] = earlier.get("parts", {})
+        self.budgets = REHEARSAL_BUDGETS if rehearse else BUDGETS
+
+    def say(self, *words):
+        line = " ".join(str(w) for w in words)
+        print(line, flush=True)
+        print(line, file=self.log, flush=True)
+
+    def save(self):
+        (self.out / "run.json").write_text(json.dumps(self.record, indent=1) + "\n")
+
+    def command(self, command: list, timeout: float, env=None) -> dict:
+        "Run `command` (output to the log) within `timeout` s: its status and time"
+        self.say("$", " ".join(map(str, command)))
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(
+                list(map(str, command)), cwd=ROOT, stdout=self.log,
+                stderr=subprocess.STDOUT, env=env, timeout=max(1, timeout),
+            )  # fmt: skip
+            status = done.returncode
+        except subprocess.TimeoutExpired:
+            status = f"killed after {timeout:.0f} s"
+        return {"status": status, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def environment() -> dict:
+    import torch
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "peft", "numpy"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = None
+    cuda = torch.cuda.is_available()
+    return versions | {
+        "device": torch.cuda.get_device_name() if cuda else platform.machine(),
+        "cpus": os.cpu_count(),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+            text=True,
+        ).stdout.strip() or None,
+    }  # fmt: skip
+
+
+def install_wheels(run: Run):
+    "The wheels of .whl/ into a temporary folder the children import from"
+    wheels = sorted((ROOT / ".whl").glob("*.whl"))
+    paths = [str(ROOT)]
+    if wheels and not run.rehearse:
+        target = Path(tempfile.gettempdir()) / "gpu-run-site"
+        run.command(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+             "--no-compile", "--upgrade", "--target", target, *wheels],
+            timeout=120,
+        )  # fmt: skip
+        paths.insert(0, str(target))
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *([old] if old else [])])
+
+
+# --- part 1: every CUDA-only branch, and the chapters on CUDA ---
+
+
+def branches(run: Run, budget: float) -> dict:
+    device = "cpu" if run.rehearse else "cuda"
+    chapters = [REHEARSED_CHAPTER] if run.rehearse else list(CHAPTERS)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    junit = Path(tempfile.mkdtemp()) / "gpu-tests.xml"
+    tests = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider",
+         f"--junitxml={junit}"],
+        cwd=ROOT, stdout=run.log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    book = run.command(
+        [sys.executable, "tools/run_book.py", "--device", device, "--parallel",
+         len(chapters), "--timeout", budget - 10, "--output", run.out / "book.json",
+         *chapters],
+        timeout=budget, env=env,
+    )  # fmt: skip
+    try:
+        tests.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        tests.kill()
+    result = {"tests": junit_results(junit), "chapters": book}
+    if (run.out / "book.json").exists():
+        chapters = json.loads((run.out / "book.json").read_text())["chapters"]
+        result["chapters"] = {
+            row["chapter"]: "passed" if row["passed"] else
+            f"FAILED at {row['failed_cell']}: {row['error']}"
+            for row in chapters
+        }  # fmt: skip
+    return result
+
+
+def junit_results(path: Path) -> dict:
+    "test name -> passed / skipped / the failure's first line, from pytest's XML"
+    import xml.etree.ElementTree as ET
+
+    if not path.exists():
+        return {"error": "pytest wrote no results (killed, or did not start)"}
+    results = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = f"{child.tag}: {(child.get('message') or '')[:300]}"
+            elif child.tag == "skipped":
+                outcome = f"skipped: {(child.get('message') or '')[:100]}"
+        results[case.get("name")] = outcome
+    return results
+
+
+# --- part 2: the T4, as nearly as this GPU can play it ---
+
+
+def play_t4():
+    """This process as Colab's T4: on CUDA, compute capability 7.5 (no native bf16:
+    the library then autocasts to fp16 with the loss scaler) and 15 GiB; on a CPU,
+    `cpu:0` under PALIGEMMA_REHEARSE_GPU=t4. The device, and its name"""
+    import torch
+
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, T4_MEMORY / total))
+        torch.cuda.get_device_capability = lambda device=None: (7, 5)
+        return torch.device("cuda")
+    os.environ["PALIGEMMA_REHEARSE_GPU"] = "t4"
+    return torch.device("cpu:0")
+
+
+def peak_memory(device) -> int | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+
+
+def t4_child(result: Path, rehearse: bool):
+    "Chapter 12's GPU recipe, then LoRA at 3B's shapes, in a T4's arithmetic"
+    import torch
+
+    device = play_t4()
+    from paligemma_lib.train import autocast_dtype
+
+    record = {"device": str(device), "autocast": str(autocast_dtype(device))}
+    record["receipts recipe"] = receipts_recipe(device, rehearse)
+    result.write_text(json.dumps(record, indent=1))
+    record["3b lora"] = {}
+    for dtype in (torch.float32, torch.float16):
+        record["3b lora"][str(dtype)] = lora_3b(device, dtype, rehearse)
+        result.write_text(json.dumps(record, indent=1))
+
+
+def receipts_recipe(device, rehearse: bool) -> dict:
+    "Chapter 12's GPU branch: the shipped adapter's settings, 600 of its steps"
+    import torch
+    from torch.utils.data import Subset
+
+    from paligemma_lib import PaliGemmaProcessor, load_pretrained
+    from paligemma_lib.adapters import resolve_adapter_path
+    from paligemma_lib.data import Collator, SyntheticDataset
+    from paligemma_lib.evaluation import compute_metrics, predict
+    from paligemma_lib.lora import LoraConfig, add_lora
+    from paligemma_lib.model_files import read_json
+    from paligemma_lib.train import TrainConfig, train
+
+    record = read_json(resolve_adapter_path("receipts") / "training_record.json")
+    shipped = record["train_config"]
+    steps, keep = (4, ()) if rehearse else (600, ("batch_size", "lr"))
+    keep += ("min_lr_ratio", "weight_decay", "max_grad_norm")
+    config = TrainConfig(
+        steps=steps,
+        warmup_steps=max(1, shipped["warmup_steps"] * steps // shipped["steps"]),
+        **({"batch_size": 2, "lr": 2e-3} if rehearse else {}),
+        **{k: shipped[k] for k in keep},
+    )
+    processor = PaliGemmaProcessor.from_pretrained("nano")
+    model = load_pretrained("nano", device=device)
+    torch.manual_seed(0)
+    add_lora(model, LoraConfig(r=8, target_modules="all-linear"))
+    model.to(device)
+    stream = SyntheticDataset({"receipts": 1}, split="train", size=100_000)
+    start = time.perf_counter()
+    history = train(
+        model, stream, Collator(processor), config, device=device, progress=False,
+        workers=T4_WORKERS,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    n = 8 if rehearse else 96
+    test = SyntheticDataset({"receipts": 1}, split="test", size=5000 + n)
+    rows = predict(model.eval(), processor, Subset(test, range(5000, 5000 + n)), 32, 64)
+    losses = history["loss"]
+    return {
+        "steps": steps,
+        "batch_size": config.batch_size,
+        "workers": T4_WORKERS,
+        "seconds": round(seconds, 1),
+        "examples_per_s": round(steps * config.batch_size / seconds, 1),
+        "peak_memory_bytes": peak_memory(device),
+        "skipped_steps": sum(not math.isfinite(g) for g in history["grad_norm"]),
+        "loss_first_5": sum(losses[:5]) / len(losses[:5]),
+        "loss_last_5": sum(losses[-5:]) / len(losses[-5:]),
+        "test": f"receipts test 5000-{5000 + n - 1}",
+        "metrics": compute_metrics(rows)["receipt"],
+    }
+
+
+def lora_3b(device, dtype, rehearse: bool, steps: int = 3) -> dict:
+    """One LoRA recipe step after another at PaliGemma-3B's shapes, random weights
+    in `dtype`, chapter 10's default targets r=8, gradient checkpointing, batch 2 of
+    301 tokens, the library's autocast with the loss scaler: fits or not"""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu import prompts, tiny_config
+
+    from paligemma_lib.config import PaliGemmaConfig
+    from paligemma_lib.lora import LoraConfig, add_lora
+    from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
+    from paligemma_lib.train import autocast, grad_scaler, set_gradient_checkpointing
+
+    config = tiny_config() if rehearse else PaliGemmaConfig()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = optimizer = None
+    try:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = PaliGemmaForConditionalGeneration(config)
+        finally:
+            torch.set_default_dtype(default)
+        model.requires_grad_(False)
+        add_lora(model, LoraConfig(r=8, dtype=torch.float32))
+        set_gradient_checkpointing(model)
+        inputs = prompts(config, 2, device, dtype, text_tokens=301 - 256 - 1)
+        types = torch.zeros_like(inputs["input_ids"])
+        types[:, -20:] = 1  # the answer
+        labels = inputs["input_ids"].masked_fill(types == 0, -100)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        scaler = grad_scaler(device)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            with autocast(device):
+                loss = model(**{**inputs, "token_type_ids": types}, labels=labels).loss
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return {
+            "fits": True,
+            "step_s": [round(t, 3) for t in times],
+            "loss": loss.item(),
+            "peak_memory_bytes": peak_memory(device),
+            "sequence_length": inputs["input_ids"].shape[1],
+        }
+    except torch.OutOfMemoryError as e:
+        return {"fits": False, "error": str(e).splitlines()[0][:300]}
+    finally:
+        del model, optimizer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def t4(run: Run, budget: float) -> dict:
+    result = Path(tempfile.mkdtemp()) / "t4.json"
+    status = run.command(
+        [sys.executable, __file__, "--child", "t4", "--result", result,
+         *(["--rehearse"] if run.rehearse else [])],
+        timeout=budget,
+    )  # fmt: skip
+    found = json.loads(result.read_text()) if result.exists() else {}
+    return status | found
+
+
+# --- part 3: the segment adapter, a GPU's minutes ---
+
+
+def segment(run: Run, budget: float) -> dict:
+    from gpu_driver import Driver
+
+    work = Path(tempfile.mkdtemp()) / "segment"
+    size, workers = (2, 1) if run.rehearse else (64, max(1, (os.cpu_count() - 2) // 2))
+    base = [
+        "--model", "nano", "--batch-size", size, "--worlds", "segments=1",
+        "--train-size", "5000000", "--workers", workers,
+    ]  # fmt: skip
+    driver = Driver(work, work, list(map(str, base)))
+    driver.log = run.log  # one log
+    reserve = 15 if run.rehearse else 40  # the validation grades
+    probe, floor = (3, 2) if run.rehearse else (60, 100)
+    steps = driver.calibrate(
+        SEGMENT_RUNS, budget, reserve, probe, floor, eval_size=2 if run.rehearse else 16
+    )
+    if steps is None:
+        return {"error": "calibration failed (the log says why)"}
+    if run.rehearse:
+        steps = floor
+    left = budget - (time.time() - driver.begin) - reserve
+    finished = driver.run_all(SEGMENT_RUNS, steps, ["--eval-every", "0"], timeout=left)
+    result = {"steps": steps, "batch_size": size, "workers per run": workers,
+              "finished": finished, "runs": {}}  # fmt: skip
+    for name in finished:
+        record = json.loads((work / name / "training_record.json").read_text())
+        n = 8 if run.rehearse else SEGMENT_VALIDATION
+        metrics = segment_grade(work / name, name == "lora", "validation", 0, n)
+        result["runs"][name] = {
+            "seconds": record["seconds"],
+            "examples_per_s": round(steps * size / record["seconds"], 1),
+            "validation": metrics,
+        }
+        run.say(f"segment {name}: validation mIoU {metrics['mIoU']:.3f}")
+    if not finished:
+        return result
+    best = max(finished, key=lambda n: result["runs"][n]["validation"]["mIoU"])
+    result["chosen on validation"] = best
+    if "lora" in finished:
+        with tarfile.open(run.out / "segment-adapter.tar", "w") as tar:
+            for file in ("adapter_config.json", "adapter_model.safetensors",
+                         "training_record.json"):  # fmt: skip
+                tar.add(work / "lora" / file, arcname=file)
+    return result
+
+
+def segment_grade(folder: Path, adapter: bool, split: str, start: int, n: int):
+    "Chapter 12.1's metrics of a run's model on `n` scenes of `split`"
+    from evaluate_segment import grade_scenes
+
+    from paligemma_lib import PaliGemmaProcessor, load_pretrained
+    from paligemma_lib.adapters import load_adapter
+    from paligemma_lib.devices import pick_device
+
+    device, _ = pick_device()  # float32: the grade, not the speed, counts
+    model = load_pretrained("nano" if adapter else folder, device=device)
+    if adapter:
+        load_adapter(model, folder)
+        model.to(device)
+    processor = PaliGemmaProcessor.from_pretrained("nano")
+    return grade_scenes(model.eval(), processor, split, start, n, batch_size=64)[3]
+
+
+# --- part 4: speed ---
+
+
+def speed(run: Run, budget: float) -> dict:
+    flags = ["--config", "tiny", "--device", "cpu"] if run.rehearse else []
+    status = run.command(
+        [sys.executable, "benchmarks/gpu.py", "--short", "--budget", budget - 30,
+         "--out", run.out, "--file", run.out / "speed.json", *flags],
+        timeout=budget,
+    )  # fmt: skip
+    found = run.out / "speed.json"
+    sections = json.loads(found.read_text())["sections"] if found.exists() else {}
+    return status | {
+        name: round(r["ms_per_step"], 2) if "ms_per_step" in r else r
+        for name, r in sections.items()
+        if name.startswith("decode")
+    }
+
+
+PART_FUNCTIONS = {"branches": branches, "t4": t4, "segment": segment, "speed": speed}
+
+
+def run_parts(out: Path, parts: list[str], rehearse: bool) -> int:
+    run = Run(out, rehearse)
+    run.say(f"gpu_run: {run.record['environment']}; parts {', '.join(parts)}")
+    install_wheels(run)
+    for part in parts:
+        budget = run.budgets[part]
+        run.say(f"== {part} (at most {budget} s)")
+        start = time.perf_counter()
+        try:
+            result = PART_FUNCTIONS[part](run, budget)
+        except Exception as e:  # recorded; the next part runs
+            traceback.print_exc(file=run.log)
+            result = {"error": f"{type(e).__name__}: {e}"}
+        result["part seconds"] = round(time.perf_counter() - start, 1)
+        run.record["parts"][part] = result
+        run.save()
+        run.say(f"{part}: {json.dumps(result)[:1500]}")
+    run.record["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
+    run.save()
+    problems = check_output(out, parts)
+    for problem in problems:
+        run.say("PROBLEM:", problem)
+    return 1 if problems else 0
+
+
+def check_output(out: Path, parts: list[str]) -> list[str]:
+    """What is wrong with DIR for the machine's return trip and for --ingest: more
+    than 8 files, an unexpected name, a part without its record or its file"""
+    problems = []
+    names = sorted(p.name for p in out.iterdir())
+    if len(names) > 8:
+        problems.append(f"{len(names)} files in {out}; at most 8 come back")
+    problems += [f"unexpected file {n}" for n in names if n not in FILES]
+    record = json.loads((out / "run.json").read_text())
+    for key in ("environment", "parts", "started", "finished"):
+        if key not in record:
+            problems.append(f"run.json has no {key!r}")
+    expected = {"branches": "book.json", "speed": "speed.json",
+                "segment": "segment-adapter.tar"}  # fmt: skip
+    for part in parts:
+        if part not in record.get("parts", {}):
+            problems.append(f"run.json has no part {part!r}")
+        elif "error" in record["parts"][part]:
+            problems.append(f"{part}: {record['parts'][part]['error']}")
+        if part in expected and expected[part] not in names:
+            problems.append(f"{part} wrote no {expected[part]}")
+    t4_record = record.get("parts", {}).get("t4", {})
+    if "t4" in parts and "metrics" not in t4_record.get("receipts recipe", {}):
+        problems.append("t4: no metrics of the receipts recipe")
+    return problems
+
+
+# --- afterwards, on this machine ---
+
+
+def ingest(folder: Path) -> int:
+    "The results of a GPU run where they belong (see the module's docstring)"
+    record = json.loads((folder / "run.json").read_text())
+    if record.get("rehearsal"):
+        raise SystemExit(
+            f"{folder} holds a rehearsal, not a GPU run: nothing to ingest"
+        )
+    stamp = datetime.fromisoformat(record["started"]).strftime("%Y%m%d-%H%M")
+    results = ROOT / "benchmarks" / "results"
+    device = re.sub(r"[^a-z0-9]+", "-", record["environment"]["device"].lower())
+    copies = {
+        "run.json": f"gpu-run-{stamp}.json",
+        "book.json": f"book-cuda-{stamp}.json",
+        "speed.json": f"gpu-speed-{device.strip('-')}-{stamp}.json",
+    }
+    for name, target in copies.items():
+        if (folder / name).exists():
+            shutil.copyfile(folder / name, results / target)
+            print(f"{name} -> benchmarks/results/{target}")
+    t4_record = record["parts"].get("t4", {}).get("receipts recipe")
+    if t4_record and "metrics" in t4_record:
+        set_chapter_bars(t4_record, f"benchmarks/results/{copies['run.json']}")
+    if (folder / "segment-adapter.tar").exists():
+        grade_adapter(folder / "segment-adapter.tar", results, stamp)
+    subprocess.run([sys.executable, "tools/speed_page.py"], cwd=ROOT, check=True)
+    return 0
+
+
+def bars(metrics: dict, n: int) -> dict:
+    """The bars chapter 12's GPU branch asserts: each field's accuracy as the GPU
+    run measured it, less three binomial standard errors of an n-receipt sample (a
+    perfect score counted as one miss in n, for a margin)"""
+    out = {}
+    for name, value in metrics.items():
+        if name == "examples":
+            continue
+        p = min(value, 1 - 1 / n)
+        out[name] = round(max(0.0, value - 3 * (p * (1 - p) / n) ** 0.5), 3)
+    return out
+
+
+def set_chapter_bars(recipe: dict, source: str):
+    "Write the bars into chapter 12's GPU branch: the one line that holds them"
+    chapter = ROOT / "book" / "12_fine_tuning.ipynb"
+    notebook = json.loads(chapter.read_text())
+    line = f"GPU_BARS = {bars(recipe['metrics'], recipe['metrics']['examples'])}"
+    line = line.replace("'", '"')
+    for cell in notebook["cells"]:
+        source_lines = cell["source"]
+        for i, text in enumerate(source_lines):
+            if text.startswith("GPU_BARS = "):
+                source_lines[i] = line + ("\n" if text.endswith("\n") else "")
+                source_lines[i - 1] = f"# {source}: the T4 part, less 3 SE\n"
+                chapter.write_text(
+                    json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
+                )
+                print(f"chapter 12: {line}")
+                return
+    raise SystemExit("chapter 12 has no line starting with 'GPU_BARS = '")
+
+
+def grade_adapter(tar: Path, results: Path, stamp: str):
+    """Grade the returned adapter once on test scenes no evaluation has seen; into
+    the package only if it beats the shipped adapter's grade on its own fresh scenes"""
+    from evaluate_segment import grade_scenes
+
+    from paligemma_lib import PaliGemmaProcessor, load_pretrained
+    from paligemma_lib.adapters import load_adapter, resolve_adapter_path
+
+    work = Path(tempfile.mkdtemp()) / "segment"
+    with tarfile.open(tar) as archive:
+        archive.extractall(work, filter="data")
+    model = load_pretrained("nano")
+    load_adapter(model, work)
+    processor = PaliGemmaProcessor.from_pretrained("nano")
+    _, _, _, metrics = grade_scenes(
+        model.eval(), processor, "test", SEGMENT_TEST_START, 300
+    )
+    shipped = resolve_adapter_path("segment")
+    old = json.loads((shipped / "training_record.json").read_text())
+    old_miou = old["evaluations"]["segments/test"]["metrics"]["mIoU"]
+    better = max(metrics["filled box mIoU"], metrics["class mask mIoU"])
+    verdict = {
+        "test": f"segments test {SEGMENT_TEST_START}-{SEGMENT_TEST_START + 299}",
+        "metrics": metrics,
+        "shipped adapter's mIoU on its fresh scenes": old_miou,
+        "beats the shipped adapter": metrics["mIoU"] > old_miou,
+        "meets the goal": metrics["mIoU"] >= SEGMENT_GOAL
+        and metrics["mIoU"] >= better + 0.10,
+    }
+    (results / f"segment-gpu-test-{stamp}.json").write_text(
+        json.dumps(verdict, indent=1)
+    )
+    print({k: v for k, v in verdict.items() if k != "metrics"}, metrics["mIoU"])
+    if verdict["beats the shipped adapter"]:
+        record = json.loads((work / "training_record.json").read_text())
+        record.setdefault("evaluations", {})["segments/test"] = verdict
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copyfile(work / file, shipped / file)
+        (shipped / "training_record.json").write_text(
+            json.dumps(record, indent=1) + "\n"
+        )
+        print(f"shipped: the GPU's adapter replaces {shipped}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="the folder that comes back")
+    parser.add_argument("--only", help=f"comma-separated parts of {', '.join(PARTS)}")
+    parser.add_argument("--rehearse", action="store_true", help="on a CPU, tiny")
+    parser.add_argument("--ingest", type=Path, help="a GPU run's folder, here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child == "t4":
+        t4_child(args.result, args.rehearse)
+        return 0
+    if args.ingest:
+        return ingest(args.ingest)
+    if args.out is None:
+        parser.error("--out DIR is needed (or --ingest DIR)")
+    parts = args.only.split(",") if args.only else list(PARTS)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(
+            f"unknown part(s) {', '.join(unknown)}; the parts: {', '.join(PARTS)}"
+        )
+    if args.rehearse:
+        os.environ["PALIGEMMA_REHEARSE_GPU"] = "t4"
+    return run_parts(args.out, parts, args.rehearse)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
