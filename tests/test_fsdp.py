@@ -267,6 +267,35 @@ def test_policy_gathers_bf16_and_reduces_fp32_only_for_bf16():
         assert (policy.param_dtype, policy.reduce_dtype) == (None, None)
 
 
+@pytest.mark.parametrize(
+    "device, expected",
+    [
+        ("cuda:0", [torch.device("cuda:0")]),
+        ("cuda:1", [torch.device("cuda:1")]),
+        ("cpu", None),
+        ("cpu:0", None),
+    ],
+)
+def test_ddp_is_given_the_gpu_of_every_rank_rank_0_too(monkeypatch, device, expected):
+    """DistributedDataParallel's device_ids: the process's GPU on CUDA, cuda:0 as well
+    as cuda:1 (index 0 is an index), and none on the CPU. DDP's constructor is faked:
+    no process group, no GPU needed"""
+    import paligemma_lib.sharding as sharding
+
+    given = []
+
+    def fake_ddp(model, device_ids=None, **kw):
+        given.append(device_ids)
+        return model
+
+    monkeypatch.setattr(sharding, "DistributedDataParallel", fake_ddp)
+    model = toy_model()
+    assert sharding.data_parallel(model, device, world_size=2) is model
+    assert given == [expected]
+    assert sharding.data_parallel(model, device, world_size=1) is model  # no DDP
+    assert len(given) == 1
+
+
 def test_fsdp_without_torchrun_is_one_line():
     assert not torch.distributed.is_initialized()
     config = TrainConfig(steps=1, batch_size=4, warmup_steps=0, fsdp=True)
