@@ -60,7 +60,7 @@ def check_shardable(model: nn.Module):
         raise ValueError(
             "fsdp needs a process group: launch with torchrun (one process "
             "is fine: torchrun --nproc_per_node 1 ...) and call "
-            "init_distributed() first"
+            "init_distributed(device) first"
         )
 
 # %% ../book/11b_training.ipynb #sh03

@@ -323,14 +323,15 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(device) -> tuple[int, int]:
     """Join the process group that torchrun describes in the environment (RANK,
-    WORLD_SIZE, MASTER_ADDR, ...): NCCL on CUDA, one GPU per process, gloo on
-    the CPU; one process too (FSDP needs a group). -> (rank, world_size);
-    (0, 1) when not started by torchrun"""
+    WORLD_SIZE, MASTER_ADDR, ...) for a run on `device`: NCCL on a CUDA
+    device, one GPU per process (LOCAL_RANK's), gloo on the CPU, whether or
+    not a GPU is there; one process too (FSDP needs a group). -> (rank,
+    world_size); (0, 1) when not started by torchrun"""
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
         return world()
-    if torch.cuda.is_available():
+    if torch.device(device).type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl")
     else:

@@ -59,7 +59,8 @@ if os.environ.get("SUM_NOT_MEAN"):  # the mutation: FSDP sums the gradients
         return model
 
     training.data_parallel = summing
-rank, world_size = init_distributed()
+device = os.environ.get("TRAIN_DEVICE", "cpu")
+rank, world_size = init_distributed(device)
 model = toy_model()
 if lora:  # both towers' attention adapted: trainable weights in every layer unit
     add_lora(model, LoraConfig(**LORA))
@@ -67,7 +68,6 @@ config = TrainConfig(
     steps=4, batch_size=8, accumulation=2, lr=1e-2, warmup_steps=1, fsdp=fsdp,
     gradient_checkpointing=fsdp,
 )
-device = os.environ.get("TRAIN_DEVICE", "cpu")
 history = train(
     model, ColourDataset(32), collate, config, progress=False, device=device
 )
@@ -443,7 +443,7 @@ def stop_after_2(step, loss):
         raise Stop
 
 
-rank, world_size = init_distributed()
+rank, world_size = init_distributed("cpu")
 model = toy_model()
 if lora:
     from paligemma_lib.lora import LoraConfig, add_lora, lora_state_dict

@@ -364,7 +364,7 @@ def worker_script(body: str) -> str:
 
 
 DDP_SCRIPT = """
-rank, world_size = init_distributed()
+rank, world_size = init_distributed("cpu")
 model = toy_model()
 config = TrainConfig(steps=4, batch_size=8, accumulation=2, lr=1e-2, warmup_steps=1)
 history = train(model, ColourDataset(32), collate, config, progress=False)
@@ -429,6 +429,54 @@ def test_ddp_two_processes_equal_one(tmp_path):
         one["multi_modal_projector.linear.weight"],
         moved["multi_modal_projector.linear.weight"],
     )
+
+
+class Joined(Exception):
+    "Raised by the faked init_process_group: the test stops there"
+
+
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """A machine PyTorch says has CUDA, under torchrun (WORLD_SIZE, LOCAL_RANK 1):
+    -> the backends init_process_group was asked for and the GPUs set_device chose"""
+    asked = {"backend": [], "gpu": []}
+
+    def init_process_group(backend=None, **kw):
+        asked["backend"].append(backend)
+        raise Joined
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", asked["gpu"].append)
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    return asked
+
+
+@pytest.mark.parametrize(
+    "device, backend, gpus",
+    [("cpu", "gloo", []), ("cpu:0", "gloo", []), ("cuda", "nccl", [1])],
+)
+def test_the_process_group_follows_the_training_device(gpu_machine, device, backend,
+                                                       gpus):  # fmt: skip
+    """NCCL and a GPU per process only for a run on CUDA; a run on the CPU joins a
+    gloo group on a machine with a GPU too (FSDP's and DDP's CPU tensors need it)"""
+    from paligemma_lib.train import init_distributed
+
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(Joined):
+        init_distributed(device)
+    assert gpu_machine == {"backend": [backend], "gpu": gpus}
+
+
+def test_train_device_cpu_joins_gloo_on_a_gpu_machine(gpu_machine, tmp_path):
+    "The command passes its --device: `torchrun ... train --device cpu` is gloo"
+    from paligemma_lib.cli.main import main
+
+    args = ["train", "--config", "tiny", "--out", tmp_path / "run", "--steps", "1"]
+    with pytest.raises(Joined):
+        main([*map(str, args), "--device", "cpu", "--fsdp"])
+    assert gpu_machine == {"backend": ["gloo"], "gpu": []}
 
 
 # --- metrics on hand-made predictions ---
