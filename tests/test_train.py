@@ -5,6 +5,7 @@ tiny model keep every run to a few seconds."""
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -310,6 +311,72 @@ def test_a_resumed_run_ends_bit_for_bit_equal(tmp_path):
         assert torch.equal(p, q), name
     names = sorted(p.name for p in (tmp_path / CHECKPOINTS).iterdir())
     assert names == ["step-0000004", "step-0000006"]  # the last two, no stray folder
+
+
+class FakeGpus:
+    """torch.cuda's generator calls on a machine of `count` GPUs, on the CPU: each
+    GPU's state a distinct tensor; an index past the last GPU raises IndexError, as
+    torch/cuda/random.py does"""
+
+    def __init__(self, monkeypatch, count: int, current: int = 0):
+        self.count, self.current = count, current
+        self.states = {
+            i: torch.full((8,), 10 * count + i, dtype=torch.uint8) for i in range(count)
+        }
+        calls = ["get_rng_state", "set_rng_state", "current_device", "device_count"]
+        for name in [*calls, "get_rng_state_all", "set_rng_state_all"]:
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def index(self, device) -> int:
+        if not isinstance(device, int):
+            device = torch.device(device).index
+            device = self.current if device is None else device
+        if not 0 <= device < self.count:
+            raise IndexError("list index out of range")
+        return device
+
+    def get_rng_state(self, device="cuda"):
+        return self.states[self.index(device)].clone()
+
+    def set_rng_state(self, new_state, device="cuda"):
+        self.states[self.index(device)] = new_state.clone()
+
+    def get_rng_state_all(self):
+        return [self.get_rng_state(i) for i in range(self.count)]
+
+    def set_rng_state_all(self, new_states):
+        for i, state in enumerate(new_states):
+            self.set_rng_state(state, i)
+
+    def current_device(self):
+        return self.current
+
+    def device_count(self):
+        return self.count
+
+
+def test_a_checkpoint_of_more_gpus_resumes_on_fewer(tmp_path, monkeypatch):
+    """A process on GPU 1 of 2 saves a plain checkpoint; it resumes on a machine of one
+    GPU (the sharded path shares rng_states and set_rng_states): the state that
+    process drew from goes onto the GPU this process draws from, and no GPU that is
+    not there is asked for. A checkpoint that held every GPU's states (a list) puts
+    back the states of the GPUs there are. Seen to catch: every GPU's states saved and
+    set_rng_state_all'ed (IndexError)."""
+    from paligemma_lib.resume import load_checkpoint, save_checkpoint, set_rng_states
+
+    model = toy_model()
+    optimizer = make_optimizer(model, lr=1e-2)
+    scheduler = make_scheduler(optimizer, 1, 10)
+    two = FakeGpus(monkeypatch, count=2, current=1)
+    drawn = two.states[1]
+    folder = save_checkpoint(tmp_path, model, optimizer, scheduler, {"step": 1})
+    one = FakeGpus(monkeypatch, count=1)
+    assert load_checkpoint(folder, model, optimizer, scheduler) == {"step": 1}
+    assert torch.equal(one.states[0], drawn)
+    every = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    set_rng_states({**every, "cuda": [drawn, drawn + 1]})  # an older checkpoint
+    assert torch.equal(one.states[0], drawn)
 
 
 def test_worker_processes_give_the_same_weights():
