@@ -185,17 +185,22 @@ def _staging(final: Path) -> Path:
 
 
 def _sharded_state(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
-    """(weights, AdamW's state, options) as DCP saves and loads them. With
-    LoRA adapters, the trainable weights alone, as a plain checkpoint holds
-    only the adapter: the frozen base is the model the run started from"""
+    """(weights, AdamW's state, options) as DCP saves and loads them. A tied
+    weight once, under the name `named_parameters` gives it: the LM head is
+    the embedding (2 GB more a checkpoint at 3B in fp32, were it stored
+    twice), and loading the embedding loads it. With LoRA adapters, the
+    trainable weights alone, as a plain checkpoint holds only the adapter:
+    the frozen base is the model the run started from"""
     adapters = bool(lora_modules(model))
-    options = StateDictOptions(
-        ignore_frozen_params=adapters, strict=not adapters
-    )
+    options = StateDictOptions(ignore_frozen_params=adapters, strict=False)
     weights, moments = get_state_dict(model, optimizer, options=options)
-    if adapters:  # the tied LM head too: named_parameters lists it once
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        weights = {k: v for k, v in weights.items() if k in trainable}
+    names = dict(model.named_parameters())  # a shared weight once
+    every = dict(model.named_parameters(remove_duplicate=False))
+    if adapters:
+        kept = {n for n, p in names.items() if p.requires_grad}
+    else:  # every weight and buffer but the ties' other names
+        kept = set(weights) - (every.keys() - names.keys())
+    weights = {k: v for k, v in weights.items() if k in kept}
     return weights, moments, options
 
 
@@ -252,8 +257,9 @@ def load_sharded_checkpoint(folder, model, optimizer, scheduler) -> dict:
         optim_state_dict=both["optim"],
         options=options,
     )
+    # dcp.load read them all: missing, only the tied head and frozen weights
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert not trainable & set(missing), missing  # dcp.load read them all
+    assert not trainable & set(missing), missing
     state = torch.load(folder / TRAINING_STATE, weights_only=True)
     scheduler.load_state_dict(state.pop("scheduler"))
     rank = dist.get_rank()

@@ -473,6 +473,8 @@ def stopped_and_resumed(tmp_path, before: int, after: int, lora=False, **env):
     """(final weights, history) of the sharded toy run (with `lora`, of its adapters
     LORA): `before` processes stop after step 2 (its checkpoint), `after` processes
     resume it to step 4"""
+    import torch.distributed.checkpoint as dcp
+
     out_dir = tmp_path / f"run-{before}-{after}"
     weights = tmp_path / "resumed.safetensors"
     script = worker_script(f"LORA = {LORA!r}\n" + RESUME_SCRIPT)
@@ -482,6 +484,8 @@ def stopped_and_resumed(tmp_path, before: int, after: int, lora=False, **env):
     # DCP: one file of shards per process that wrote, the index, each one's RNG states
     assert len(list(saved.glob("*.distcp"))) == before
     assert (saved / ".metadata").exists() and (saved / "training_state.pt").exists()
+    index = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    assert not [k for k in index if "lm_head" in k]  # the tied head: the embedding
     assert sorted(p.name for p in saved.glob("rng-*.pt")) == [
         f"rng-{r}.pt" for r in range(before)
     ]
@@ -540,6 +544,72 @@ def test_sharded_lora_checkpoint_resumes(tmp_path, lora_reference, before, after
     add_lora(model, LoraConfig(**LORA))
     stored = {k.removeprefix("model.") for k in index if k.startswith("model.")}
     assert stored == set(lora_state_dict(model))
+
+
+TIED_SCRIPT = """
+import torch.distributed.checkpoint as dcp
+from paligemma_lib.optimization import make_optimizer, make_scheduler
+from paligemma_lib.resume import load_sharded_checkpoint, save_sharded_checkpoint
+from paligemma_lib.sharding import data_parallel, gathered_model
+
+rank, world_size = init_distributed("cpu")
+
+
+def sharded(seed):
+    "The toy model sharded, after one AdamW step (its moments exist)"
+    model = data_parallel(toy_model(seed), "cpu", world_size, fsdp=True)
+    optimizer = make_optimizer(model, lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, seed + 1.0)
+    optimizer.step()
+    return model, optimizer, make_scheduler(optimizer, 1, 4)
+
+
+written = sharded(0)
+folder = save_sharded_checkpoint(sys.argv[2], *written, {"step": 1})
+read = sharded(1)
+load_sharded_checkpoint(folder, *read)
+tied = []
+for model, optimizer, _ in (written, read):
+    text = model.language_model
+    tied.append(text.lm_head.weight is text.model.embed_tokens.weight)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # the moments read back move the weights alike
+gathered = [gathered_model(model) for model, _, _ in (written, read)]
+if rank == 0:
+    for i, model in enumerate(gathered):
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()
+                   if "lm_head" not in k}, f"{sys.argv[1]}.{i}")
+    with open(sys.argv[1] + ".json", "w") as f:
+        json.dump({"tied": tied}, f)
+"""
+
+
+def test_sharded_checkpoint_stores_the_tied_embedding_once(tmp_path):
+    """A full-model sharded checkpoint (2 processes, after an AdamW step) holds the
+    embedding, which the LM head shares, once: no lm_head entry in DCP's index, for
+    the weights or AdamW's moments. Read into a model initialised otherwise, the head
+    is still the embedding, and one more AdamW step moves both models alike, bit for
+    bit (the same fp32 shards, moments and step count). Seen to catch: the weights'
+    state dict saved whole (the head stored a second time)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    out = tmp_path / "weights.safetensors"
+    run_worker(tmp_path, worker_script(TIED_SCRIPT), 2, out, tmp_path / "run")
+    saved = tmp_path / "run" / "checkpoints" / "step-0000001"
+    index = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    embedding = "language_model.model.embed_tokens.weight"
+    assert [k for k in index if "lm_head" in k] == []
+    assert [k for k in index if k.startswith("model.") and embedding in k] == [
+        "model." + embedding
+    ]
+    assert json.loads(open(f"{out}.json").read()) == {"tied": [True, True]}
+    written, read = load_file(f"{out}.0"), load_file(f"{out}.1")
+    assert written.keys() == read.keys() and embedding in written
+    for name, tensor in written.items():
+        assert torch.equal(read[name], tensor), name
 
 
 def test_resumed_comparison_catches_a_lost_optimiser_state(tmp_path):
