@@ -360,6 +360,7 @@ def test_train_fsdp_writes_the_gathered_model_transformers_loads(tmp_path):
     assert plain.returncode == 0, plain.stderr[-3000:]
     record = json.loads((tmp_path / "fsdp" / "training_record.json").read_text())
     assert record["processes"] == 2 and record["train_config"]["fsdp"] is True
+    assert record["segments"] == [{"steps": [0, 2], "processes": 2}]
     two = load_file(tmp_path / "fsdp" / "model.safetensors")
     one = load_file(tmp_path / "plain" / "model.safetensors")
     assert two.keys() == one.keys()
@@ -465,7 +466,8 @@ if rank == 0:
     weights = lora_state_dict(final) if lora else dict(final.named_parameters())
     save_file({k: v.contiguous() for k, v in weights.items()}, sys.argv[1])
     with open(sys.argv[1] + ".json", "w") as f:
-        json.dump({"loss": history["loss"], "grad_norm": history["grad_norm"]}, f)
+        json.dump({"loss": history["loss"], "grad_norm": history["grad_norm"],
+                   "segments": history["segments"]}, f)
 """
 
 
@@ -514,6 +516,11 @@ def test_sharded_checkpoint_resumes_on_another_process_count(tmp_path, before, a
     one, one_history = torchrun(tmp_path, 1, "plain")
     resumed, history = stopped_and_resumed(tmp_path, before, after)
     assert len(history["loss"]) == 4  # 2 from the checkpoint's history, 2 resumed
+    # the history (and so training_record.json) says which processes ran which steps
+    assert history["segments"] == [
+        {"steps": [0, 2], "processes": before},
+        {"steps": [2, 4], "processes": after},
+    ]
     assert_same_run(one, one_history, resumed, history)
     # a plain run (no fsdp, no process group) refuses the sharded checkpoint
     config = TrainConfig(steps=4, batch_size=8, accumulation=2, warmup_steps=1)

@@ -307,6 +307,9 @@ def test_a_resumed_run_ends_bit_for_bit_equal(tmp_path):
     to catch: `set_rng_states` made a no-op (the random flips differ after resume)."""
     uninterrupted, _, resumed, history = stopped_and_resumed(tmp_path)
     assert history["step"] == [1, 2, 3, 4, 5, 6]
+    # the start's steps up to the checkpoint it left, then the resume's
+    segments = [{"steps": [0, 4], "processes": 1}, {"steps": [4, 6], "processes": 1}]
+    assert history["segments"] == segments
     for (name, p), q in zip(uninterrupted.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), name
     names = sorted(p.name for p in (tmp_path / CHECKPOINTS).iterdir())
