@@ -240,11 +240,22 @@ def test_fsdp_one_process_equals_plain(tmp_path):
 
 def test_fsdp_on_a_rehearsed_t4_scales_fp16_losses(tmp_path):
     """The T4's branch (fp16 autocast and the loss scaler, no cast by FSDP) on the CPU
-    standing in for one: 2 sharded processes against 1 plain fp32 process"""
+    standing in for one: 2 sharded processes against 1 plain fp32 process, equal while
+    no step overflows. Each process scales its loss by the process count, so its fp16
+    backward carries W times one process's per-token gradients and overflows at a
+    lower scale, on its own micro-batches: which steps the scaler skips is not one
+    process's (from 2^18 on this task: steps 1 and 3 in 2 sharded processes, step 1 in
+    one fp16 process). From GradScaler's 2^16 no step overflows here; the test checks
+    that rather than assuming it (the norm is global: inf if any shard overflowed).
+    After an overflow every process skips alike: the test below."""
     one, one_history = torchrun(tmp_path, 1, "plain")
     t4 = {"PALIGEMMA_REHEARSE_GPU": "t4", "TRAIN_DEVICE": "cpu:0"}
     two, two_history = torchrun(tmp_path, 2, "fsdp", **t4)
     assert two_history["scaler"] and not one_history["scaler"]
+    assert all(map(math.isfinite, two_history["grad_norm"])), (
+        "a step overflowed: the runs are comparable only while none does",
+        two_history["grad_norm"],
+    )
     # fp16 autocast rounds each layer's output to fp16 (2^-11 ~ 4.9e-4 relative), some
     # ten roundings on the way through 3 layers forward and back: within 1e-2 of fp32
     # (a gradient summed instead of averaged would be 2x)
@@ -254,6 +265,95 @@ def test_fsdp_on_a_rehearsed_t4_scales_fp16_losses(tmp_path):
     for a, b in zip(one_history["loss"], two_history["loss"]):
         # the losses: the same fp16 roundings of the layers' outputs as above
         assert math.isclose(a, b, rel_tol=1e-2), (one_history, two_history)
+
+
+OVERFLOW_SCRIPT = """
+import os
+
+import paligemma_lib.train as training
+
+rank, world_size = init_distributed("cpu")
+made, steps = training.grad_scaler, []
+if os.environ.get("OWN_FINDING"):  # the mutation: each process its own inf check
+    from torch.distributed.tensor import DTensor
+
+    def own_shards_only(op_call, args, kwargs):
+        grads, found_inf, inv_scale = args
+        op_call([g.to_local() for g in grads], found_inf, inv_scale)
+
+    check = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+    DTensor._op_dispatcher._custom_op_handlers[check] = own_shards_only
+
+
+def grad_scaler(*args, **kw):
+    "The run's scaler; at its second unscale_, one inf in process 0's shard only"
+    scaler = made(*args, **kw)
+    unscale = scaler.unscale_
+
+    def unscale_(optimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        steps.append({"scale": scaler.get_scale(), "before": [
+            p.detach().to_local().clone() for p in params]})
+        if rank == 0 and len(steps) == 2:
+            with torch.no_grad():
+                params[0].grad.to_local().view(-1)[0] = float("inf")
+        return unscale(optimizer)
+
+    scaler.unscale_ = unscale_
+    return scaler
+
+
+training.grad_scaler = grad_scaler
+model = toy_model()
+config = TrainConfig(steps=4, batch_size=8, accumulation=2, lr=1e-2, warmup_steps=1,
+                     fsdp=True)
+history = train(model, ColourDataset(32), collate, config, progress=False,
+                device="cpu:0")
+params = list(model.parameters())
+after = [s["before"] for s in steps[1:]] + [[p.detach().to_local() for p in params]]
+record = [{"scale": s["scale"], "moved": any(not torch.equal(a, b) for a, b in
+                                            zip(s["before"], later))}
+          for s, later in zip(steps, after)]
+with open(f"{sys.argv[1]}.{rank}.json", "w") as f:
+    json.dump({"steps": record, "grad_norm": history["grad_norm"]}, f)
+"""
+
+
+def overflow_runs(tmp_path, **env) -> list[dict]:
+    "Each process's record of OVERFLOW_SCRIPT's run by 2 processes"
+    out = tmp_path / "overflow"
+    t4 = {"PALIGEMMA_REHEARSE_GPU": "t4", **env}
+    run_worker(tmp_path, worker_script(OVERFLOW_SCRIPT), 2, out, timeout=180, **t4)
+    return [json.loads(open(f"{out}.{rank}.json").read()) for rank in range(2)]
+
+
+def test_fsdp_fp16_overflow_in_one_shard_skips_the_step_everywhere(tmp_path):
+    """FSDP leaves each process its own shard of every gradient, so an fp16 overflow
+    may show in one process's shards only. The scaler all-reduces its finding: every
+    process skips that step and halves its scale, and the weights and scales stay
+    consistent (an inf planted in one entry of process 0's shard at step 2, the T4's
+    branch rehearsed on the CPU). torch.amp.GradScaler does it through DTensor, whose
+    unscale_ takes the max of the processes' findings."""
+    runs = overflow_runs(tmp_path)
+    assert runs[0] == runs[1]  # the same scales and skips; the global norm
+    scale = 2.0**16  # GradScaler's first
+    assert runs[0]["steps"] == [
+        {"scale": scale, "moved": True},
+        {"scale": scale, "moved": False},  # skipped
+        {"scale": scale / 2, "moved": True},
+        {"scale": scale / 2, "moved": True},
+    ]
+    norms = runs[0]["grad_norm"]
+    assert math.isinf(norms[1]) and all(map(math.isfinite, norms[:1] + norms[2:]))
+
+
+def test_overflow_comparison_catches_a_finding_of_its_own_shards(tmp_path):
+    """The mutation: each process checks only its own shards for an inf; process 1
+    then steps and keeps its scale while process 0 skips and halves its own"""
+    runs = overflow_runs(tmp_path, OWN_FINDING="1")
+    skipped, stepped = (run["steps"][1]["moved"] for run in runs)
+    assert not skipped and stepped
+    assert runs[0]["steps"][2]["scale"] == runs[1]["steps"][2]["scale"] / 2
 
 
 # --- the policy and the errors, in this process (no process group) ---
