@@ -536,6 +536,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'paligemma_lib.quantize.int8_weights': ('int8.html#int8_weights', 'paligemma_lib/quantize.py'),
                                         'paligemma_lib.quantize.quantize_int8': ('int8.html#quantize_int8', 'paligemma_lib/quantize.py')},
             'paligemma_lib.resume': { 'paligemma_lib.resume._check_sharding': ('training.html#_check_sharding', 'paligemma_lib/resume.py'),
+                                      'paligemma_lib.resume._gpu': ('training.html#_gpu', 'paligemma_lib/resume.py'),
                                       'paligemma_lib.resume._sharded_state': ('training.html#_sharded_state', 'paligemma_lib/resume.py'),
                                       'paligemma_lib.resume._staging': ('training.html#_staging', 'paligemma_lib/resume.py'),
                                       'paligemma_lib.resume.latest_checkpoint': ( 'training.html#latest_checkpoint',

@@ -41,20 +41,39 @@ CHECKPOINTS = "checkpoints"  # inside a run's output folder
 TRAINING_STATE = "training_state.pt"
 
 
-def rng_states() -> dict:
-    """The random number generators' states: Python's, torch's, and CUDA's when
-    present"""
+def _gpu(device=None) -> int:
+    "The GPU whose generator this process draws from: `device`'s, or current"
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and device.index is not None:
+        return device.index
+    return torch.cuda.current_device()
+
+
+def rng_states(device=None) -> dict:
+    """The random number generators' states: Python's, torch's and, where CUDA
+    is present, that of the one GPU this process draws from (`device`'s, or
+    the current one), not every GPU's: each process keeps its own, so a run
+    resumes on fewer GPUs, or on others"""
     states = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+        states["cuda"] = torch.cuda.get_rng_state(_gpu(device))
     return states
 
 
-def set_rng_states(states: dict):
+def set_rng_states(states: dict, device=None):
+    """Put `rng_states` back, the CUDA state onto this process's GPU (of a
+    checkpoint that held every GPU's, a list: this GPU's, if it was there)"""
     random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    torch.set_rng_state(states["torch"].cpu())
+    cuda = states.get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return
+    gpu = _gpu(device)
+    if isinstance(cuda, list):  # written before each process kept its own
+        if gpu >= len(cuda):
+            return
+        cuda = cuda[gpu]
+    torch.cuda.set_rng_state(cuda.cpu(), gpu)
 
 
 def save_checkpoint(
@@ -90,7 +109,7 @@ def save_checkpoint(
         training_state = {
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
-            "rng": rng_states(),
+            "rng": rng_states(next(model.parameters()).device),
             **state,
         }
         torch.save(training_state, staging / TRAINING_STATE)
@@ -154,7 +173,7 @@ def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
     )
     optimizer.load_state_dict(state.pop("optimizer"))
     scheduler.load_state_dict(state.pop("scheduler"))
-    set_rng_states(state.pop("rng"))
+    set_rng_states(state.pop("rng"), device)
     return state
 
 # %% ../book/11b_training.ipynb #dc02
@@ -166,17 +185,22 @@ def _staging(final: Path) -> Path:
 
 
 def _sharded_state(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
-    """(weights, AdamW's state, options) as DCP saves and loads them. With
-    LoRA adapters, the trainable weights alone, as a plain checkpoint holds
-    only the adapter: the frozen base is the model the run started from"""
+    """(weights, AdamW's state, options) as DCP saves and loads them. A tied
+    weight once, under the name `named_parameters` gives it: the LM head is
+    the embedding (2 GB more a checkpoint at 3B in fp32, were it stored
+    twice), and loading the embedding loads it. With LoRA adapters, the
+    trainable weights alone, as a plain checkpoint holds only the adapter:
+    the frozen base is the model the run started from"""
     adapters = bool(lora_modules(model))
-    options = StateDictOptions(
-        ignore_frozen_params=adapters, strict=not adapters
-    )
+    options = StateDictOptions(ignore_frozen_params=adapters, strict=False)
     weights, moments = get_state_dict(model, optimizer, options=options)
-    if adapters:  # the tied LM head too: named_parameters lists it once
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        weights = {k: v for k, v in weights.items() if k in trainable}
+    names = dict(model.named_parameters())  # a shared weight once
+    every = dict(model.named_parameters(remove_duplicate=False))
+    if adapters:
+        kept = {n for n, p in names.items() if p.requires_grad}
+    else:  # every weight and buffer but the ties' other names
+        kept = set(weights) - (every.keys() - names.keys())
+    weights = {k: v for k, v in weights.items() if k in kept}
     return weights, moments, options
 
 
@@ -195,7 +219,8 @@ def save_sharded_checkpoint(
     try:
         weights, moments, _ = _sharded_state(model, optimizer)
         dcp.save({"model": weights, "optim": moments}, checkpoint_id=staging)
-        torch.save(rng_states(), staging / f"rng-{rank}.pt")
+        device = next(model.parameters()).device
+        torch.save(rng_states(device), staging / f"rng-{rank}.pt")
         if rank == 0:
             training_state = {
                 "scheduler": scheduler.state_dict(),
@@ -232,12 +257,14 @@ def load_sharded_checkpoint(folder, model, optimizer, scheduler) -> dict:
         optim_state_dict=both["optim"],
         options=options,
     )
+    # dcp.load read them all: missing, only the tied head and frozen weights
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert not trainable & set(missing), missing  # dcp.load read them all
+    assert not trainable & set(missing), missing
     state = torch.load(folder / TRAINING_STATE, weights_only=True)
     scheduler.load_state_dict(state.pop("scheduler"))
     rank = dist.get_rank()
     if rank >= state.pop("processes"):  # more processes now than then
         rank = 0
-    set_rng_states(torch.load(folder / f"rng-{rank}.pt", weights_only=True))
+    states = torch.load(folder / f"rng-{rank}.pt", weights_only=True)
+    set_rng_states(states, next(model.parameters()).device)
     return state

@@ -60,7 +60,7 @@ def check_shardable(model: nn.Module):
         raise ValueError(
             "fsdp needs a process group: launch with torchrun (one process "
             "is fine: torchrun --nproc_per_node 1 ...) and call "
-            "init_distributed() first"
+            "init_distributed(device) first"
         )
 
 # %% ../book/11b_training.ipynb #sh03
@@ -96,13 +96,15 @@ def data_parallel(
     compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """The model as the training steps call it: sharded (`shard_model`) with
-    fsdp, in DistributedDataParallel under torchrun, else as it is"""
+    fsdp, in DistributedDataParallel under torchrun, else as it is. DDP is
+    given the GPU of a CUDA device (cuda:0 too), no device on the CPU"""
     device = torch.device(device)
     if fsdp:
         return shard_model(model, device, compute_dtype)
     if world_size > 1:
+        cuda = device.type == "cuda"
         return DistributedDataParallel(
-            model, device_ids=[device] if device.index else None
+            model, device_ids=[device] if cuda else None
         )
     return model
 

@@ -323,14 +323,15 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(device) -> tuple[int, int]:
     """Join the process group that torchrun describes in the environment (RANK,
-    WORLD_SIZE, MASTER_ADDR, ...): NCCL on CUDA, one GPU per process, gloo on
-    the CPU; one process too (FSDP needs a group). -> (rank, world_size);
-    (0, 1) when not started by torchrun"""
+    WORLD_SIZE, MASTER_ADDR, ...) for a run on `device`: NCCL on a CUDA
+    device, one GPU per process (LOCAL_RANK's), gloo on the CPU, whether or
+    not a GPU is there; one process too (FSDP needs a group). -> (rank,
+    world_size); (0, 1) when not started by torchrun"""
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
         return world()
-    if torch.cuda.is_available():
+    if torch.device(device).type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl")
     else:
@@ -390,6 +391,7 @@ def _resume_or_seed(
     checkpoint of out_dir's, whose weights and states are put back; otherwise
     step 0, Python's and torch's generators seeded with config.seed"""
     history = {"step": [], "loss": [], "lr": [], "grad_norm": [], "eval": []}
+    history["segments"] = []  # which steps how many processes ran
     start = 0
     if resume:
         folder = latest_checkpoint(out_dir) if out_dir is not None else None
@@ -400,6 +402,8 @@ def _resume_or_seed(
         state = load_checkpoint(folder, model, optimizer, scheduler)
         _check_resumable(state, config, len(dataset), folder)
         start, history = state["step"], state["history"]
+        if "segments" not in history:  # a checkpoint from before they were
+            history["segments"] = [{"steps": [0, start], "processes": None}]
         if state.get("scaler"):  # a run with fp16 autocast
             scaler.load_state_dict(state["scaler"])
     else:
@@ -482,7 +486,9 @@ def train(
     Under torchrun (`init_distributed` called) the model is wrapped in
     DistributedDataParallel, or sharded with config.fsdp (`shard_model`), and
     each process takes its share of every global batch. Returns the history:
-    lists "step", "loss", "lr", "grad_norm" and "eval" (dicts)."""
+    lists "step", "loss", "lr", "grad_norm" and "eval" (dicts), and
+    "segments": {"steps": [first, last], "processes": N} for the start and
+    each resume (N None where a checkpoint did not say)."""
     rank, world_size = world()
     config.micro_batch_size(world_size)  # checks the split
     device = torch.device(device)
@@ -501,6 +507,9 @@ def train(
     start, history = _resume_or_seed(
         config, out_dir, resume, dataset, model, optimizer, scheduler, scaler
     )
+    # one segment for this start or resume: its steps and process count
+    segments = history["segments"]
+    segments.append({"steps": [start, start], "processes": world_size})
     bar = _progress_bar(config, start, progress, rank)
     begin, seen = time.perf_counter(), 0
     batches = StepBatches(dataset, collate, config, rank, world_size)
@@ -519,8 +528,10 @@ def train(
             scaler,
         )
         done, seen = step + 1, seen + config.batch_size
-        for key, value in zip(history, (done, loss, lr, norm)):
+        row = (done, loss, lr, norm)
+        for key, value in zip(("step", "loss", "lr", "grad_norm"), row):
             history[key].append(value)
+        segments[-1]["steps"][1] = done
         speed = seen / (time.perf_counter() - begin)
         bar.set_postfix(loss=f"{loss:.4f}", examples_per_s=f"{speed:.1f}")
         bar.update()

@@ -185,6 +185,8 @@ def run_training(run: TrainingRun, on_start=None) -> dict:
         # the 16-bit type the steps computed in (None: fp32 throughout)
         "autocast": autocast and str(autocast).removeprefix("torch."),
         "processes": world_size,
+        # each start and resume: which steps how many processes ran
+        "segments": history["segments"],
         "model": run.size or str(run.model),
         "fine-tuned from": None if run.model is None else str(run.model),
         "lora": None

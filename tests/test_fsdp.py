@@ -59,7 +59,8 @@ if os.environ.get("SUM_NOT_MEAN"):  # the mutation: FSDP sums the gradients
         return model
 
     training.data_parallel = summing
-rank, world_size = init_distributed()
+device = os.environ.get("TRAIN_DEVICE", "cpu")
+rank, world_size = init_distributed(device)
 model = toy_model()
 if lora:  # both towers' attention adapted: trainable weights in every layer unit
     add_lora(model, LoraConfig(**LORA))
@@ -67,7 +68,6 @@ config = TrainConfig(
     steps=4, batch_size=8, accumulation=2, lr=1e-2, warmup_steps=1, fsdp=fsdp,
     gradient_checkpointing=fsdp,
 )
-device = os.environ.get("TRAIN_DEVICE", "cpu")
 history = train(
     model, ColourDataset(32), collate, config, progress=False, device=device
 )
@@ -240,11 +240,22 @@ def test_fsdp_one_process_equals_plain(tmp_path):
 
 def test_fsdp_on_a_rehearsed_t4_scales_fp16_losses(tmp_path):
     """The T4's branch (fp16 autocast and the loss scaler, no cast by FSDP) on the CPU
-    standing in for one: 2 sharded processes against 1 plain fp32 process"""
+    standing in for one: 2 sharded processes against 1 plain fp32 process, equal while
+    no step overflows. Each process scales its loss by the process count, so its fp16
+    backward carries W times one process's per-token gradients and overflows at a
+    lower scale, on its own micro-batches: which steps the scaler skips is not one
+    process's (from 2^18 on this task: steps 1 and 3 in 2 sharded processes, step 1 in
+    one fp16 process). From GradScaler's 2^16 no step overflows here; the test checks
+    that rather than assuming it (the norm is global: inf if any shard overflowed).
+    After an overflow every process skips alike: the test below."""
     one, one_history = torchrun(tmp_path, 1, "plain")
     t4 = {"PALIGEMMA_REHEARSE_GPU": "t4", "TRAIN_DEVICE": "cpu:0"}
     two, two_history = torchrun(tmp_path, 2, "fsdp", **t4)
     assert two_history["scaler"] and not one_history["scaler"]
+    assert all(map(math.isfinite, two_history["grad_norm"])), (
+        "a step overflowed: the runs are comparable only while none does",
+        two_history["grad_norm"],
+    )
     # fp16 autocast rounds each layer's output to fp16 (2^-11 ~ 4.9e-4 relative), some
     # ten roundings on the way through 3 layers forward and back: within 1e-2 of fp32
     # (a gradient summed instead of averaged would be 2x)
@@ -256,6 +267,95 @@ def test_fsdp_on_a_rehearsed_t4_scales_fp16_losses(tmp_path):
         assert math.isclose(a, b, rel_tol=1e-2), (one_history, two_history)
 
 
+OVERFLOW_SCRIPT = """
+import os
+
+import paligemma_lib.train as training
+
+rank, world_size = init_distributed("cpu")
+made, steps = training.grad_scaler, []
+if os.environ.get("OWN_FINDING"):  # the mutation: each process its own inf check
+    from torch.distributed.tensor import DTensor
+
+    def own_shards_only(op_call, args, kwargs):
+        grads, found_inf, inv_scale = args
+        op_call([g.to_local() for g in grads], found_inf, inv_scale)
+
+    check = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+    DTensor._op_dispatcher._custom_op_handlers[check] = own_shards_only
+
+
+def grad_scaler(*args, **kw):
+    "The run's scaler; at its second unscale_, one inf in process 0's shard only"
+    scaler = made(*args, **kw)
+    unscale = scaler.unscale_
+
+    def unscale_(optimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        steps.append({"scale": scaler.get_scale(), "before": [
+            p.detach().to_local().clone() for p in params]})
+        if rank == 0 and len(steps) == 2:
+            with torch.no_grad():
+                params[0].grad.to_local().view(-1)[0] = float("inf")
+        return unscale(optimizer)
+
+    scaler.unscale_ = unscale_
+    return scaler
+
+
+training.grad_scaler = grad_scaler
+model = toy_model()
+config = TrainConfig(steps=4, batch_size=8, accumulation=2, lr=1e-2, warmup_steps=1,
+                     fsdp=True)
+history = train(model, ColourDataset(32), collate, config, progress=False,
+                device="cpu:0")
+params = list(model.parameters())
+after = [s["before"] for s in steps[1:]] + [[p.detach().to_local() for p in params]]
+record = [{"scale": s["scale"], "moved": any(not torch.equal(a, b) for a, b in
+                                            zip(s["before"], later))}
+          for s, later in zip(steps, after)]
+with open(f"{sys.argv[1]}.{rank}.json", "w") as f:
+    json.dump({"steps": record, "grad_norm": history["grad_norm"]}, f)
+"""
+
+
+def overflow_runs(tmp_path, **env) -> list[dict]:
+    "Each process's record of OVERFLOW_SCRIPT's run by 2 processes"
+    out = tmp_path / "overflow"
+    t4 = {"PALIGEMMA_REHEARSE_GPU": "t4", **env}
+    run_worker(tmp_path, worker_script(OVERFLOW_SCRIPT), 2, out, timeout=180, **t4)
+    return [json.loads(open(f"{out}.{rank}.json").read()) for rank in range(2)]
+
+
+def test_fsdp_fp16_overflow_in_one_shard_skips_the_step_everywhere(tmp_path):
+    """FSDP leaves each process its own shard of every gradient, so an fp16 overflow
+    may show in one process's shards only. The scaler all-reduces its finding: every
+    process skips that step and halves its scale, and the weights and scales stay
+    consistent (an inf planted in one entry of process 0's shard at step 2, the T4's
+    branch rehearsed on the CPU). torch.amp.GradScaler does it through DTensor, whose
+    unscale_ takes the max of the processes' findings."""
+    runs = overflow_runs(tmp_path)
+    assert runs[0] == runs[1]  # the same scales and skips; the global norm
+    scale = 2.0**16  # GradScaler's first
+    assert runs[0]["steps"] == [
+        {"scale": scale, "moved": True},
+        {"scale": scale, "moved": False},  # skipped
+        {"scale": scale / 2, "moved": True},
+        {"scale": scale / 2, "moved": True},
+    ]
+    norms = runs[0]["grad_norm"]
+    assert math.isinf(norms[1]) and all(map(math.isfinite, norms[:1] + norms[2:]))
+
+
+def test_overflow_comparison_catches_a_finding_of_its_own_shards(tmp_path):
+    """The mutation: each process checks only its own shards for an inf; process 1
+    then steps and keeps its scale while process 0 skips and halves its own"""
+    runs = overflow_runs(tmp_path, OWN_FINDING="1")
+    skipped, stepped = (run["steps"][1]["moved"] for run in runs)
+    assert not skipped and stepped
+    assert runs[0]["steps"][2]["scale"] == runs[1]["steps"][2]["scale"] / 2
+
+
 # --- the policy and the errors, in this process (no process group) ---
 
 
@@ -265,6 +365,35 @@ def test_policy_gathers_bf16_and_reduces_fp32_only_for_bf16():
     for dtype in (torch.float16, None):
         policy = sharding_policy(dtype)
         assert (policy.param_dtype, policy.reduce_dtype) == (None, None)
+
+
+@pytest.mark.parametrize(
+    "device, expected",
+    [
+        ("cuda:0", [torch.device("cuda:0")]),
+        ("cuda:1", [torch.device("cuda:1")]),
+        ("cpu", None),
+        ("cpu:0", None),
+    ],
+)
+def test_ddp_is_given_the_gpu_of_every_rank_rank_0_too(monkeypatch, device, expected):
+    """DistributedDataParallel's device_ids: the process's GPU on CUDA, cuda:0 as well
+    as cuda:1 (index 0 is an index), and none on the CPU. DDP's constructor is faked:
+    no process group, no GPU needed"""
+    import paligemma_lib.sharding as sharding
+
+    given = []
+
+    def fake_ddp(model, device_ids=None, **kw):
+        given.append(device_ids)
+        return model
+
+    monkeypatch.setattr(sharding, "DistributedDataParallel", fake_ddp)
+    model = toy_model()
+    assert sharding.data_parallel(model, device, world_size=2) is model
+    assert given == [expected]
+    assert sharding.data_parallel(model, device, world_size=1) is model  # no DDP
+    assert len(given) == 1
 
 
 def test_fsdp_without_torchrun_is_one_line():
@@ -331,6 +460,7 @@ def test_train_fsdp_writes_the_gathered_model_transformers_loads(tmp_path):
     assert plain.returncode == 0, plain.stderr[-3000:]
     record = json.loads((tmp_path / "fsdp" / "training_record.json").read_text())
     assert record["processes"] == 2 and record["train_config"]["fsdp"] is True
+    assert record["segments"] == [{"steps": [0, 2], "processes": 2}]
     two = load_file(tmp_path / "fsdp" / "model.safetensors")
     one = load_file(tmp_path / "plain" / "model.safetensors")
     assert two.keys() == one.keys()
@@ -414,7 +544,7 @@ def stop_after_2(step, loss):
         raise Stop
 
 
-rank, world_size = init_distributed()
+rank, world_size = init_distributed("cpu")
 model = toy_model()
 if lora:
     from paligemma_lib.lora import LoraConfig, add_lora, lora_state_dict
@@ -436,7 +566,8 @@ if rank == 0:
     weights = lora_state_dict(final) if lora else dict(final.named_parameters())
     save_file({k: v.contiguous() for k, v in weights.items()}, sys.argv[1])
     with open(sys.argv[1] + ".json", "w") as f:
-        json.dump({"loss": history["loss"], "grad_norm": history["grad_norm"]}, f)
+        json.dump({"loss": history["loss"], "grad_norm": history["grad_norm"],
+                   "segments": history["segments"]}, f)
 """
 
 
@@ -444,6 +575,8 @@ def stopped_and_resumed(tmp_path, before: int, after: int, lora=False, **env):
     """(final weights, history) of the sharded toy run (with `lora`, of its adapters
     LORA): `before` processes stop after step 2 (its checkpoint), `after` processes
     resume it to step 4"""
+    import torch.distributed.checkpoint as dcp
+
     out_dir = tmp_path / f"run-{before}-{after}"
     weights = tmp_path / "resumed.safetensors"
     script = worker_script(f"LORA = {LORA!r}\n" + RESUME_SCRIPT)
@@ -453,6 +586,8 @@ def stopped_and_resumed(tmp_path, before: int, after: int, lora=False, **env):
     # DCP: one file of shards per process that wrote, the index, each one's RNG states
     assert len(list(saved.glob("*.distcp"))) == before
     assert (saved / ".metadata").exists() and (saved / "training_state.pt").exists()
+    index = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    assert not [k for k in index if "lm_head" in k]  # the tied head: the embedding
     assert sorted(p.name for p in saved.glob("rng-*.pt")) == [
         f"rng-{r}.pt" for r in range(before)
     ]
@@ -481,6 +616,11 @@ def test_sharded_checkpoint_resumes_on_another_process_count(tmp_path, before, a
     one, one_history = torchrun(tmp_path, 1, "plain")
     resumed, history = stopped_and_resumed(tmp_path, before, after)
     assert len(history["loss"]) == 4  # 2 from the checkpoint's history, 2 resumed
+    # the history (and so training_record.json) says which processes ran which steps
+    assert history["segments"] == [
+        {"steps": [0, 2], "processes": before},
+        {"steps": [2, 4], "processes": after},
+    ]
     assert_same_run(one, one_history, resumed, history)
     # a plain run (no fsdp, no process group) refuses the sharded checkpoint
     config = TrainConfig(steps=4, batch_size=8, accumulation=2, warmup_steps=1)
@@ -511,6 +651,72 @@ def test_sharded_lora_checkpoint_resumes(tmp_path, lora_reference, before, after
     add_lora(model, LoraConfig(**LORA))
     stored = {k.removeprefix("model.") for k in index if k.startswith("model.")}
     assert stored == set(lora_state_dict(model))
+
+
+TIED_SCRIPT = """
+import torch.distributed.checkpoint as dcp
+from paligemma_lib.optimization import make_optimizer, make_scheduler
+from paligemma_lib.resume import load_sharded_checkpoint, save_sharded_checkpoint
+from paligemma_lib.sharding import data_parallel, gathered_model
+
+rank, world_size = init_distributed("cpu")
+
+
+def sharded(seed):
+    "The toy model sharded, after one AdamW step (its moments exist)"
+    model = data_parallel(toy_model(seed), "cpu", world_size, fsdp=True)
+    optimizer = make_optimizer(model, lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, seed + 1.0)
+    optimizer.step()
+    return model, optimizer, make_scheduler(optimizer, 1, 4)
+
+
+written = sharded(0)
+folder = save_sharded_checkpoint(sys.argv[2], *written, {"step": 1})
+read = sharded(1)
+load_sharded_checkpoint(folder, *read)
+tied = []
+for model, optimizer, _ in (written, read):
+    text = model.language_model
+    tied.append(text.lm_head.weight is text.model.embed_tokens.weight)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # the moments read back move the weights alike
+gathered = [gathered_model(model) for model, _, _ in (written, read)]
+if rank == 0:
+    for i, model in enumerate(gathered):
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()
+                   if "lm_head" not in k}, f"{sys.argv[1]}.{i}")
+    with open(sys.argv[1] + ".json", "w") as f:
+        json.dump({"tied": tied}, f)
+"""
+
+
+def test_sharded_checkpoint_stores_the_tied_embedding_once(tmp_path):
+    """A full-model sharded checkpoint (2 processes, after an AdamW step) holds the
+    embedding, which the LM head shares, once: no lm_head entry in DCP's index, for
+    the weights or AdamW's moments. Read into a model initialised otherwise, the head
+    is still the embedding, and one more AdamW step moves both models alike, bit for
+    bit (the same fp32 shards, moments and step count). Seen to catch: the weights'
+    state dict saved whole (the head stored a second time)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    out = tmp_path / "weights.safetensors"
+    run_worker(tmp_path, worker_script(TIED_SCRIPT), 2, out, tmp_path / "run")
+    saved = tmp_path / "run" / "checkpoints" / "step-0000001"
+    index = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    embedding = "language_model.model.embed_tokens.weight"
+    assert [k for k in index if "lm_head" in k] == []
+    assert [k for k in index if k.startswith("model.") and embedding in k] == [
+        "model." + embedding
+    ]
+    assert json.loads(open(f"{out}.json").read()) == {"tied": [True, True]}
+    written, read = load_file(f"{out}.0"), load_file(f"{out}.1")
+    assert written.keys() == read.keys() and embedding in written
+    for name, tensor in written.items():
+        assert torch.equal(read[name], tensor), name
 
 
 def test_resumed_comparison_catches_a_lost_optimiser_state(tmp_path):

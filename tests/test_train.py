@@ -5,6 +5,7 @@ tiny model keep every run to a few seconds."""
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -306,10 +307,79 @@ def test_a_resumed_run_ends_bit_for_bit_equal(tmp_path):
     to catch: `set_rng_states` made a no-op (the random flips differ after resume)."""
     uninterrupted, _, resumed, history = stopped_and_resumed(tmp_path)
     assert history["step"] == [1, 2, 3, 4, 5, 6]
+    # the start's steps up to the checkpoint it left, then the resume's
+    segments = [{"steps": [0, 4], "processes": 1}, {"steps": [4, 6], "processes": 1}]
+    assert history["segments"] == segments
     for (name, p), q in zip(uninterrupted.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), name
     names = sorted(p.name for p in (tmp_path / CHECKPOINTS).iterdir())
     assert names == ["step-0000004", "step-0000006"]  # the last two, no stray folder
+
+
+class FakeGpus:
+    """torch.cuda's generator calls on a machine of `count` GPUs, on the CPU: each
+    GPU's state a distinct tensor; an index past the last GPU raises IndexError, as
+    torch/cuda/random.py does"""
+
+    def __init__(self, monkeypatch, count: int, current: int = 0):
+        self.count, self.current = count, current
+        self.states = {
+            i: torch.full((8,), 10 * count + i, dtype=torch.uint8) for i in range(count)
+        }
+        calls = ["get_rng_state", "set_rng_state", "current_device", "device_count"]
+        for name in [*calls, "get_rng_state_all", "set_rng_state_all"]:
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def index(self, device) -> int:
+        if not isinstance(device, int):
+            device = torch.device(device).index
+            device = self.current if device is None else device
+        if not 0 <= device < self.count:
+            raise IndexError("list index out of range")
+        return device
+
+    def get_rng_state(self, device="cuda"):
+        return self.states[self.index(device)].clone()
+
+    def set_rng_state(self, new_state, device="cuda"):
+        self.states[self.index(device)] = new_state.clone()
+
+    def get_rng_state_all(self):
+        return [self.get_rng_state(i) for i in range(self.count)]
+
+    def set_rng_state_all(self, new_states):
+        for i, state in enumerate(new_states):
+            self.set_rng_state(state, i)
+
+    def current_device(self):
+        return self.current
+
+    def device_count(self):
+        return self.count
+
+
+def test_a_checkpoint_of_more_gpus_resumes_on_fewer(tmp_path, monkeypatch):
+    """A process on GPU 1 of 2 saves a plain checkpoint; it resumes on a machine of one
+    GPU (the sharded path shares rng_states and set_rng_states): the state that
+    process drew from goes onto the GPU this process draws from, and no GPU that is
+    not there is asked for. A checkpoint that held every GPU's states (a list) puts
+    back the states of the GPUs there are. Seen to catch: every GPU's states saved and
+    set_rng_state_all'ed (IndexError)."""
+    from paligemma_lib.resume import load_checkpoint, save_checkpoint, set_rng_states
+
+    model = toy_model()
+    optimizer = make_optimizer(model, lr=1e-2)
+    scheduler = make_scheduler(optimizer, 1, 10)
+    two = FakeGpus(monkeypatch, count=2, current=1)
+    drawn = two.states[1]
+    folder = save_checkpoint(tmp_path, model, optimizer, scheduler, {"step": 1})
+    one = FakeGpus(monkeypatch, count=1)
+    assert load_checkpoint(folder, model, optimizer, scheduler) == {"step": 1}
+    assert torch.equal(one.states[0], drawn)
+    every = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    set_rng_states({**every, "cuda": [drawn, drawn + 1]})  # an older checkpoint
+    assert torch.equal(one.states[0], drawn)
 
 
 def test_worker_processes_give_the_same_weights():
@@ -364,7 +434,7 @@ def worker_script(body: str) -> str:
 
 
 DDP_SCRIPT = """
-rank, world_size = init_distributed()
+rank, world_size = init_distributed("cpu")
 model = toy_model()
 config = TrainConfig(steps=4, batch_size=8, accumulation=2, lr=1e-2, warmup_steps=1)
 history = train(model, ColourDataset(32), collate, config, progress=False)
@@ -429,6 +499,54 @@ def test_ddp_two_processes_equal_one(tmp_path):
         one["multi_modal_projector.linear.weight"],
         moved["multi_modal_projector.linear.weight"],
     )
+
+
+class Joined(Exception):
+    "Raised by the faked init_process_group: the test stops there"
+
+
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """A machine PyTorch says has CUDA, under torchrun (WORLD_SIZE, LOCAL_RANK 1):
+    -> the backends init_process_group was asked for and the GPUs set_device chose"""
+    asked = {"backend": [], "gpu": []}
+
+    def init_process_group(backend=None, **kw):
+        asked["backend"].append(backend)
+        raise Joined
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", asked["gpu"].append)
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    return asked
+
+
+@pytest.mark.parametrize(
+    "device, backend, gpus",
+    [("cpu", "gloo", []), ("cpu:0", "gloo", []), ("cuda", "nccl", [1])],
+)
+def test_the_process_group_follows_the_training_device(gpu_machine, device, backend,
+                                                       gpus):  # fmt: skip
+    """NCCL and a GPU per process only for a run on CUDA; a run on the CPU joins a
+    gloo group on a machine with a GPU too (FSDP's and DDP's CPU tensors need it)"""
+    from paligemma_lib.train import init_distributed
+
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(Joined):
+        init_distributed(device)
+    assert gpu_machine == {"backend": [backend], "gpu": gpus}
+
+
+def test_train_device_cpu_joins_gloo_on_a_gpu_machine(gpu_machine, tmp_path):
+    "The command passes its --device: `torchrun ... train --device cpu` is gloo"
+    from paligemma_lib.cli.main import main
+
+    args = ["train", "--config", "tiny", "--out", tmp_path / "run", "--steps", "1"]
+    with pytest.raises(Joined):
+        main([*map(str, args), "--device", "cpu", "--fsdp"])
+    assert gpu_machine == {"backend": ["gloo"], "gpu": []}
 
 
 # --- metrics on hand-made predictions ---

@@ -217,7 +217,7 @@ def train_command(args: argparse.Namespace, argv) -> int:
     if args.model is not None:
         check_model(args.model)
     device = resolve_device(args.device)
-    rank, world_size = init_distributed()
+    rank, world_size = init_distributed(device)
     if config.fsdp and not torch.distributed.is_initialized():  # before the model
         raise ValueError(
             "--fsdp needs torchrun: torchrun --nproc_per_node N -m paligemma_lib "
