@@ -61,6 +61,37 @@ def branch_names() -> list[str]:
     return [n for *_, src in chapter_code_cells() for n in BRANCH.findall(src)]
 
 
+# the chapters issue 38 reviewed, beside 11.2 and 12 (rehearsed since issue 28):
+# each names a GPU branch or says in a line of its text why it has none
+REVIEWED = [
+    "08_kv_cache_and_generation.ipynb",
+    "08b_int8.ipynb",
+    "09_loading_real_weights.ipynb",
+    "11c_nano_model.ipynb",
+    "12b_segmentation.ipynb",
+    "13_demo.ipynb",
+]
+NO_BRANCH = "*No GPU branch:*"  # how that line starts
+REHEARSED_CHAPTERS = "PALIGEMMA_REHEARSED_CHAPTERS"  # .ci/run: the chapters it ran
+
+
+def says_no_branch(notebook: str) -> bool:
+    cells = json.loads((BOOK / notebook).read_text())["cells"]
+    return any(
+        line.startswith(NO_BRANCH)
+        for cell in cells
+        if cell["cell_type"] == "markdown"
+        for line in "".join(cell["source"]).splitlines()
+    )
+
+
+def gpu_chapters() -> set[str]:
+    """The chapters with GPU code: a named branch in an open cell, or a line
+    listed in CUDA_ONLY. `.ci/run` must rehearse each"""
+    named = {name for name, _, src in chapter_code_cells() if BRANCH.search(src)}
+    return named | {file for file, _ in CUDA_ONLY if file.endswith(".ipynb")}
+
+
 def test_the_switch_reads_t4_or_nothing(monkeypatch):
     monkeypatch.delenv(REHEARSAL, raising=False)
     assert rehearsal() is None
@@ -356,6 +387,23 @@ def test_every_gpu_test_asks_gpu_branch_or_is_listed_cuda_only():
     assert not stale, f"CUDA_ONLY lists lines no longer found: {stale}"
 
 
+def test_a_chapter_with_gpu_code_names_a_branch_or_says_why_not():
+    """.ci/run rehearses the chapters that name a branch: a chapter with only
+    CUDA-only lines would be skipped. A chapter of REVIEWED without GPU code
+    says why in one line, and a chapter saying so has none"""
+    named = {name for name, _, src in chapter_code_cells() if BRANCH.search(src)}
+    assert gpu_chapters() == named, gpu_chapters() - named
+    for notebook in REVIEWED:
+        assert (notebook in named) != says_no_branch(notebook), notebook
+    for path in sorted(BOOK.glob("*.ipynb")):
+        if says_no_branch(path.name):
+            assert path.name not in gpu_chapters(), path.name
+            sources = [
+                src for name, _, src in chapter_code_cells() if name == path.name
+            ]
+            assert not any(map(gpu_tests, sources)), path.name
+
+
 def test_fp16_training_resumes_bit_for_bit(t4, monkeypatch, tmp_path):
     """The real loop on cpu:0 with fp16 autocast and the loss scaler: a run stopped
     after step 5 and resumed from its step-4 checkpoint ends with the weights and the
@@ -384,9 +432,13 @@ def test_fp16_training_resumes_bit_for_bit(t4, monkeypatch, tmp_path):
 @pytest.mark.rehearsal
 def test_every_gpu_branch_was_rehearsed():
     """Run by `.ci/run` after the chapters ran with PALIGEMMA_REHEARSE_GPU=t4: every
-    branch named in book/ wrote its name to the record"""
+    branch named in book/ wrote its name to the record, and every chapter with
+    GPU code is among those $PALIGEMMA_REHEARSED_CHAPTERS names"""
     record = os.environ.get(REHEARSAL_RECORD)
     assert record, f"set {REHEARSAL_RECORD} to the record of a rehearsal run"
     taken = set(Path(record).read_text().splitlines())
     missing = [name for name in branch_names() if name not in taken]
     assert not missing, f"GPU branches the rehearsal did not reach: {missing}"
+    ran = {Path(p).name for p in os.environ.get(REHEARSED_CHAPTERS, "").split()}
+    skipped = sorted(gpu_chapters() - ran)
+    assert not skipped, f"chapters with GPU code not rehearsed: {skipped}"
