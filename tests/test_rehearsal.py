@@ -219,20 +219,32 @@ CUDA_ONLY = {  # (file, line): why no CPU can take it
         "paligemma_lib/training_run.py",
         'return f"cuda: {torch.cuda.get_device_name(device)}"',
     ): "the GPU's name, which only CUDA knows",
+    (
+        "paligemma_lib/resume.py",
+        'if device.type == "cuda" and device.index is not None:',
+    ): "which GPU's generator this process draws from: CUDA alone (tests/gpu/)",
+    ("paligemma_lib/resume.py", "return torch.cuda.current_device()"): (
+        "the current GPU: CUDA alone (tests/gpu/)"
+    ),
     ("paligemma_lib/resume.py", "if torch.cuda.is_available():"): (
-        "saves the CUDA generators' states: there are none without CUDA"
+        "saves this GPU's generator state: there is none without CUDA"
     ),
-    ("paligemma_lib/resume.py", 'states["cuda"] = torch.cuda.get_rng_state_all()'): (
-        "the CUDA generators' states"
+    (
+        "paligemma_lib/resume.py",
+        'states["cuda"] = torch.cuda.get_rng_state(_gpu(device))',
+    ): "this GPU's generator state (tests/gpu/)",
+    (
+        "paligemma_lib/resume.py",
+        "if cuda is None or not torch.cuda.is_available():",
+    ): "restores a CUDA generator state: there is none without CUDA",
+    ("paligemma_lib/resume.py", "torch.cuda.set_rng_state(cuda.cpu(), gpu)"): (
+        "this GPU's generator state (tests/gpu/; faked on the CPU in test_train.py)"
     ),
-    ("paligemma_lib/resume.py", 'if "cuda" in states and torch.cuda.is_available():'): (
-        "restores the CUDA generators' states: there are none without CUDA"
+    ("paligemma_lib/sharding.py", 'cuda = device.type == "cuda"'): (
+        "DDP's device_ids name a GPU: CUDA alone (tests/gpu/; faked in test_fsdp.py)"
     ),
-    ("paligemma_lib/resume.py", 'torch.cuda.set_rng_state_all(states["cuda"])'): (
-        "the CUDA generators' states"
-    ),
-    ("paligemma_lib/train.py", "if torch.cuda.is_available():"): (
-        "NCCL and one GPU per torchrun process; gloo on the CPU (tests/gpu/)"
+    ("paligemma_lib/train.py", 'if torch.device(device).type == "cuda":'): (
+        "NCCL and one GPU per torchrun process on a CUDA run; gloo otherwise"
     ),
     (
         "paligemma_lib/train.py",

@@ -115,16 +115,16 @@ def test_auto_loads_onto_the_gpu_in_its_dtype():
 
 
 def test_cuda_rng_states_round_trip_and_survive_fewer_gpus():
-    "resume.rng_states/set_rng_states: CUDA's generator restored; more saved"
-    "states than GPUs (a 2-GPU run resumed on 1) do not crash"
+    """resume.rng_states/set_rng_states: this GPU's generator restored; the old
+    layout (every GPU's state, a list: a 2-GPU run resumed on 1) does not crash"""
     from paligemma_lib.resume import rng_states, set_rng_states
 
-    states = rng_states()
+    states = rng_states("cuda")
     first = torch.rand(4, device="cuda")
-    set_rng_states(states)
+    set_rng_states(states, "cuda")
     assert torch.equal(torch.rand(4, device="cuda"), first)
-    more = dict(states, cuda=[*states["cuda"], states["cuda"][-1]])
-    set_rng_states(more)
+    two_gpus = dict(states, cuda=[states["cuda"], torch.cuda.get_rng_state()])
+    set_rng_states(two_gpus, "cuda")
     assert torch.equal(torch.rand(4, device="cuda"), first)
 
 
