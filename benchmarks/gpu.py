@@ -37,7 +37,7 @@ runs), time-boxed by a deadline for the whole run:
 `--short` is the form tools/gpu_run.py runs within its budget: no op counts and no
 LoRA section (its T4 part measures LoRA), two repeats, and the sections in the order
 of what they tell: batch 1 first, ours compiled against transformers' compiled, then
-eager, then batch 8, then int8.
+int8, then eager, then batch 8.
 
 Results go to OUT/gpu-<device>-<date>.json (or `--file`); a table is printed at the end.
 """
@@ -68,11 +68,11 @@ BATCHES = (1, 8)
 SHORT = [
     ("ours compiled", 1),
     ("transformers static compiled", 1),
+    ("ours int8 eager", 1),
     ("ours eager", 1),
     ("transformers eager", 1),
     ("ours compiled", 8),
     ("transformers static compiled", 8),
-    ("ours int8 eager", 1),
     ("ours int8 compiled", 1),
 ]
 START = time.perf_counter()
