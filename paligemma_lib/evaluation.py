@@ -32,9 +32,12 @@ IoU, character error rate, receipt fields)."""
 # %% ../book/11b_training.ipynb #c040
 @torch.no_grad()
 def validation_loss(
-    model, dataset, collate, batch_size: int = 16, device="cpu"
+    model, dataset, collate, batch_size: int = 16, device=None
 ) -> float:
-    "The mean loss per answer token over the whole dataset"
+    """The mean loss per answer token over the whole dataset, computed on
+    `device` (None: where the model's weights are)"""
+    if device is None:
+        device = next(model.parameters()).device
     model.eval()
     total, count = 0.0, 0
     for start in range(0, len(dataset), batch_size):
@@ -270,10 +273,11 @@ def make_evaluator(
     collate,
     batch_size: int = 16,
     max_new_tokens: int = 64,  # a receipt's JSON is about 35 tokens
-    device="cpu",
+    device=None,
 ):
     """evaluate(model) -> {"validation loss", "<task> exact match", ...} on
-    `dataset`, for `train`'s periodic evaluation"""
+    `dataset`, for `train`'s periodic evaluation; the loss on `device` (None:
+    the model's)"""
 
     def evaluate(model) -> dict:
         loss = validation_loss(model, dataset, collate, batch_size, device)

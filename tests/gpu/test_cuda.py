@@ -184,3 +184,14 @@ def test_torchrun_on_the_cpu_of_a_gpu_machine(tmp_path):
     "train --device cpu under torchrun on a GPU machine: gloo, not NCCL"
     torchrun(tmp_path, "--fsdp", "--device", "cpu")
     assert (tmp_path / "training_record.json").is_file()
+
+
+def test_an_evaluator_computes_where_the_model_is(nano):
+    "evaluation.make_evaluator without a device: the loss on the model's GPU"
+    from paligemma_lib.data import Collator
+    from paligemma_lib.evaluation import make_evaluator
+
+    model, processor, _, _ = nano
+    data = SyntheticDataset({"shapes": 1}, split="validation", size=8)
+    metrics = make_evaluator(processor, data, Collator(processor))(model)
+    assert 0 < metrics["validation loss"] < 5  # nano knows its world
