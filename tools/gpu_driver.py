@@ -75,7 +75,8 @@ class Driver:
             probe - probe // 3
         )
         left = budget - (time.time() - self.begin) - reserve
-        steps = max(floor, int(left / per_step * 0.85) // floor * floor)
+        # 0.7: the runs' start (a model, its workers) and the slower of them
+        steps = max(floor, int(left / per_step * 0.7) // floor * floor)
         self.say(
             f"calibration: {per_step:.3f} s a step ({len(runs)} runs); {steps} fit"
         )

@@ -91,7 +91,10 @@ class Run:
         }
         if (out / "run.json").exists():  # --only: the earlier parts stay
             earlier = json.loads((out / "run.json").read_text())
-            self.record["parts"] = earlier.get("parts", {})
+            self.record["parts"] = {
+                name: provenance(earlier) | part
+                for name, part in earlier.get("parts", {}).items()
+            }
         self.budgets = REHEARSAL_BUDGETS if rehearse else BUDGETS
 
     def say(self, *words):
@@ -115,6 +118,11 @@ class Run:
         except subprocess.TimeoutExpired:
             status = f"killed after {timeout:.0f} s"
         return {"status": status, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def provenance(record: dict) -> dict:
+    "Which call a part came from: its commit and start (kept when --only adds parts)"
+    return {"commit": record["environment"]["commit"], "started": record["started"]}
 
 
 def environment() -> dict:
@@ -397,7 +405,9 @@ def segment(run: Run, budget: float) -> dict:
     if run.rehearse:
         steps = floor
     left = budget - (time.time() - driver.begin) - reserve
-    finished = driver.run_all(SEGMENT_RUNS, steps, ["--eval-every", "0"], timeout=left)
+    # the run's own evaluation at the end: a few scenes (the grade below counts)
+    final = ["--eval-every", "0", "--eval-size", "8"]
+    finished = driver.run_all(SEGMENT_RUNS, steps, final, timeout=left)
     result = {"steps": steps, "batch_size": size, "workers per run": workers,
               "finished": finished, "runs": {}}  # fmt: skip
     for name in finished:
@@ -475,6 +485,7 @@ def run_parts(out: Path, parts: list[str], rehearse: bool) -> int:
             traceback.print_exc(file=run.log)
             result = {"error": f"{type(e).__name__}: {e}"}
         result["part seconds"] = round(time.perf_counter() - start, 1)
+        result |= provenance(run.record)
         run.record["parts"][part] = result
         run.save()
         run.say(f"{part}: {json.dumps(result)[:1500]}")
@@ -524,12 +535,17 @@ def ingest(folder: Path) -> int:
             f"{folder} holds a rehearsal, not a GPU run: nothing to ingest"
         )
     stamp = datetime.fromisoformat(record["started"]).strftime("%Y%m%d-%H%M")
+
+    def part_stamp(part: str) -> str:  # the call that ran it (--only keeps earlier)
+        started = record["parts"].get(part, {}).get("started", record["started"])
+        return datetime.fromisoformat(started).strftime("%Y%m%d-%H%M")
+
     results = ROOT / "benchmarks" / "results"
     device = re.sub(r"[^a-z0-9]+", "-", record["environment"]["device"].lower())
     copies = {
         "run.json": f"gpu-run-{stamp}.json",
         "book.json": f"book-cuda-{stamp}.json",
-        "speed.json": f"gpu-speed-{device.strip('-')}-{stamp}.json",
+        "speed.json": f"gpu-speed-{device.strip('-')}-{part_stamp('speed')}.json",
     }
     for name, target in copies.items():
         if (folder / name).exists():
@@ -553,7 +569,9 @@ def bars(metrics: dict, n: int) -> dict:
         if name == "examples":
             continue
         p = min(value, 1 - 1 / n)
-        out[name] = round(max(0.0, value - 3 * (p * (1 - p) / n) ** 0.5), 3)
+        bar = round(value - 3 * (p * (1 - p) / n) ** 0.5, 3)
+        if bar > 0:  # a bar of 0 asserts nothing
+            out[name] = bar
     return out
 
 

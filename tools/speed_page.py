@@ -297,6 +297,113 @@ def data_pipeline() -> str:
     )
 
 
+def newest(pattern: str) -> Path | None:
+    "The newest record of benchmarks/results/ matching `pattern` (by its name's date)"
+    found = sorted(RESULTS.glob(pattern))
+    return found[-1] if found else None
+
+
+def gpu_run() -> str:
+    "The newest run of tools/gpu_run.py: what ran on CUDA, the T4's part, speed"
+    path = newest("gpu-run-*.json")
+    if path is None:
+        return ""
+    run = record(path)
+    env, parts = run["environment"], run["parts"]
+    machine = (
+        f"{env['device']}, PyTorch {env['torch']}, transformers {env['transformers']}"
+    )
+    calls = sorted({(p["started"][:16].replace("T", " "), p["commit"])
+                    for p in parts.values()})  # fmt: skip
+    when = "; ".join(f"{day} UTC (commit {commit})" for day, commit in calls)
+    sections = ["## The GPU script's newest run", (
+        f"`tools/gpu_run.py` on {machine}, {env['cpus']} CPU cores; called {when}. "
+        f"*Record:* `benchmarks/results/{path.name}`."
+    )]  # fmt: skip
+    branches = parts.get("branches", {})
+    if "tests" in branches:
+        tests = branches["tests"]
+        passed = sum(v == "passed" for v in tests.values())
+        chapters = branches["chapters"]
+        good = [c.split("_")[0] for c, v in chapters.items() if v == "passed"]
+        bad = [f"{c.split('_')[0]} ({':'.join(v.split(':')[:2])[7:]})"
+               for c, v in chapters.items() if v != "passed"]  # fmt: skip
+        sections.append(
+            f"**On CUDA.** `tests/gpu`: {passed} of {len(tests)} passed. Chapters "
+            f"run on the GPU with their own checks: {', '.join(good)} passed"
+            + (f"; failed: {'; '.join(bad)}." if bad else ".")
+        )
+    sections += [gpu_run_t4(parts.get("t4", {})), gpu_run_speed(parts, env)]
+    return "\n\n".join(x for x in sections if x)
+
+
+def gpu_run_t4(t4: dict) -> str:
+    recipe, lora = t4.get("receipts recipe"), t4.get("3b lora", {})
+    if recipe is None:
+        return ""
+    m = recipe["metrics"]
+    rows = [[f"{k}", f"{v:.3f}"] for k, v in m.items() if k != "examples"]
+    lines = [
+        "**The GPU playing a T4** (compute capability 7.5, so fp16 autocast with the "
+        "loss scaler; memory capped at 15 GiB; two data workers). Chapter 12's GPU "
+        f"recipe, {recipe['steps']} steps of {recipe['batch_size']} receipts: "
+        f"{recipe['seconds']:.0f} s, {recipe['examples_per_s']:.0f} receipts/s, "
+        f"peak {recipe['peak_memory_bytes'] / GIB:.2f} GiB, "
+        f"{recipe['skipped_steps']} step skipped by the scaler; the loss fell from "
+        f"{recipe['loss_first_5']:.2f} to {recipe['loss_last_5']:.2f}. On "
+        f"{recipe['test']}:",
+        table(["field", "accuracy"], rows),
+    ]
+    if lora:
+        rows = []
+        for dtype, r in lora.items():
+            fits = (
+                f"fits: peak {r['peak_memory_bytes'] / GIB:.2f} GiB, "
+                f"{sorted(r['step_s'])[len(r['step_s']) // 2]:.2f} s a step"
+                if r["fits"]
+                else "out of memory"
+            )
+            rows.append([dtype.replace("torch.", ""), fits])
+        lines += [
+            "A LoRA step at PaliGemma-3B's shapes (random weights; r=8 on chapter "
+            "10's targets, gradient checkpointing, batch 2 of 302 tokens) under the "
+            "same cap, by the dtype of the frozen weights:",
+            table(["frozen weights", "under 15 GiB"], rows),
+        ]
+    return "\n\n".join(lines)
+
+
+def gpu_run_speed(parts: dict, env: dict) -> str:
+    speed = parts.get("speed", {})
+    ways = {
+        "ours, compiled (CUDA graphs)": "decode ours compiled, batch 1",
+        "`transformers`, static cache, compiled": (
+            "decode transformers static compiled, batch 1"
+        ),
+        "ours, eager": "decode ours eager, batch 1",
+        "ours, int8 weights, eager": "decode ours int8 eager, batch 1",
+    }
+    rows = [[k, f"{speed[v]:.2f}"] for k, v in ways.items()
+            if isinstance(speed.get(v), float)]  # fmt: skip
+    lines = []
+    if rows:
+        lines += [
+            f"**Decoding at PaliGemma-3B's shapes on the {env['device']}** (random "
+            "bf16 weights, batch 1, `benchmarks/gpu.py --short`; ms a step):",
+            table(["way", "ms/step"], rows),
+        ]
+    runs = parts.get("segment", {}).get("runs", {})
+    for name, r in runs.items():
+        what = "LoRA" if name == "lora" else "every weight"
+        lines.append(
+            f"Training nano on the segments world ({what}, batch "
+            f"{parts['segment']['batch_size']}, "
+            f"{parts['segment']['workers per run']} data workers, beside a second "
+            f"run): {r['examples_per_s']:.0f} examples a second."
+        )
+    return "\n\n".join(lines)
+
+
 def render() -> str:
     head = "\n\n".join(
         [
@@ -312,6 +419,7 @@ def render() -> str:
         head,
         gpu_decoding(),
         gpu_lora(),
+        gpu_run(),
         nano_training(),
         cpu_threads(),
         cpu_int8(),
