@@ -5,12 +5,14 @@
     python3 tools/gpu_run.py --out DIR --only t4,speed  # again, some parts only
     python3 tools/gpu_run.py --rehearse --out DIR  # the same on a CPU, tiny (CI)
     python3 tools/gpu_run.py --ingest DIR          # here, afterwards: results in place
+    python3 tools/gpu_run.py --fetch-wheels        # here, before: .whl/ for the GPU
 
 A GPU comes rarely (15 minutes, its start included; a command at most 10; 8 files
 back), so its work is this one prepared command, rehearsed on the CPU by CI. Run from
 a plain copy of the repository with the machine's own python (torch, transformers,
 peft there); it installs nothing but the wheels in `.whl/` (Jupyter's kernel and
-nbclient, for the chapters: A.4 says how to fetch them), into a temporary folder.
+nbclient, for the chapters: `--fetch-wheels` downloads them here), into a temporary
+folder.
 
 The parts, in order, each within its own budget (`BUDGETS`, seconds), each writing
 to DIR as soon as it has results, so that a run cut short returns what it did:
@@ -63,6 +65,19 @@ FILES = ("run.json", "book.json", "speed.json", "segment-adapter.tar", "log.txt"
 # model where it was loaded), and its Gradio is not on the GPU machine
 CHAPTERS = ("08_", "08b", "09_", "11b", "11c", "12_", "12b")
 REHEARSED_CHAPTER = "08b"  # the CPU rehearsal runs one chapter: CI runs them all
+# what the chapters need on the GPU machine beyond its own packages (its python 3.12
+# has torch, transformers, peft, matplotlib, pytest...): Jupyter's kernel and nbclient
+WHEELS = (
+    "asttokens==3.0.2 comm==0.2.3 debugpy==1.8.22 decorator==5.3.1 executing==2.3.0 "
+    "fastjsonschema==2.22.3 ipykernel==7.4.0 ipython==9.18.1 "
+    "ipython_pygments_lexers==1.1.1 jedi==0.20.1 jsonschema==4.26.0 "
+    "jsonschema-specifications==2025.9.1 jupyter_client==8.10.0 jupyter_core==5.9.1 "
+    "matplotlib-inline==0.2.2 nbclient==0.11.0 nbformat==5.11.1 nest_asyncio==1.6.0 "
+    "parso==0.8.7 pexpect==4.9.0 platformdirs==4.14.8 prompt_toolkit==3.0.53 "
+    "ptyprocess==0.7.0 pure_eval==0.2.4 pyzmq==27.3.0 referencing==0.37.0 "
+    "rpds-py==2026.9.1 stack_data==0.6.3 tornado==6.6.1 traitlets==5.16.1 "
+    "wcwidth==0.9.4"
+).split()
 T4_MEMORY = 15 * 2**30  # what Colab's T4 offers a process
 T4_WORKERS = 2  # Colab's CPU cores
 SEGMENT_RUNS = {  # today's shipped recipe, and every weight trained (<seg> rows too)
@@ -73,6 +88,7 @@ SEGMENT_RUNS = {  # today's shipped recipe, and every weight trained (<seg> rows
 SEGMENT_VALIDATION = 64  # validation scenes the choice reads
 SEGMENT_TEST_START = 1300  # --ingest grades from here: no evaluation has seen them
 SEGMENT_GOAL = 0.75  # chapter 12.1's goal for the mask mIoU
+CHAPTER_12 = ROOT / "book" / "12_fine_tuning.ipynb"  # its GPU branch's bars
 
 
 class Run:
@@ -575,9 +591,8 @@ def bars(metrics: dict, n: int) -> dict:
     return out
 
 
-def set_chapter_bars(recipe: dict, source: str):
+def set_chapter_bars(recipe: dict, source: str, chapter: Path = CHAPTER_12):
     "Write the bars into chapter 12's GPU branch: the one line that holds them"
-    chapter = ROOT / "book" / "12_fine_tuning.ipynb"
     notebook = json.loads(chapter.read_text())
     values = bars(recipe["metrics"], recipe["metrics"]["examples"])
     for cell in notebook["cells"]:
@@ -639,12 +654,37 @@ def grade_adapter(tar: Path, results: Path, stamp: str):
         print(f"shipped: the GPU's adapter replaces {shipped}")
 
 
+def fetch_wheels() -> int:
+    "WHEELS for the GPU machine (CPython 3.12, x86-64 Linux) into .whl/, here"
+    platforms = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux1_x86_64"]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        *[f"--platform={p}" for p in platforms],
+        "-d",
+        ROOT / ".whl",
+        *WHEELS,
+    ]
+    return subprocess.run(list(map(str, command))).returncode  # fmt: skip
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="the folder that comes back")
     parser.add_argument("--only", help=f"comma-separated parts of {', '.join(PARTS)}")
     parser.add_argument("--rehearse", action="store_true", help="on a CPU, tiny")
     parser.add_argument("--ingest", type=Path, help="a GPU run's folder, here")
+    parser.add_argument(
+        "--fetch-wheels", action="store_true", help="the GPU machine's wheels, here"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -653,6 +693,8 @@ def main(argv=None) -> int:
         return 0
     if args.ingest:
         return ingest(args.ingest)
+    if args.fetch_wheels:
+        return fetch_wheels()
     if args.out is None:
         parser.error("--out DIR is needed (or --ingest DIR)")
     parts = args.only.split(",") if args.only else list(PARTS)

@@ -1,0 +1,115 @@
+"""tools/gpu_run.py's own logic (issue 38): what a GPU run returns and how it is put in
+place. The whole script runs in CI as `tools/gpu_run.py --rehearse` (.ci/run); these
+check the pieces that decide what is kept."""
+
+import ast
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import gpu_run  # noqa: E402
+
+
+def test_the_parts_fit_nine_minutes_and_eight_files():
+    assert list(gpu_run.BUDGETS) == list(gpu_run.PARTS)
+    assert sum(gpu_run.BUDGETS.values()) <= 9 * 60
+    assert len(gpu_run.FILES) <= 8
+
+
+def test_bars_are_three_standard_errors_below_and_never_zero():
+    metrics = {"examples": 96, "exact match": 0.0, "store accuracy": 0.3125,
+               "date accuracy": 1.0}  # fmt: skip
+    bars = gpu_run.bars(metrics, 96)
+    assert bars["store accuracy"] == round(
+        0.3125 - 3 * (0.3125 * 0.6875 / 96) ** 0.5, 3
+    )
+    # a perfect score counts one miss in n, so its bar sits below 1
+    assert bars["date accuracy"] == round(1 - 3 * ((1 - 1 / 96) / 96 / 96) ** 0.5, 3)
+    assert "exact match" not in bars  # a bar of 0 would assert nothing
+
+
+def test_the_bars_go_into_chapter_12s_line(tmp_path):
+    chapter = tmp_path / "12.ipynb"
+    shutil.copyfile(gpu_run.CHAPTER_12, chapter)
+    recipe = {"metrics": {"examples": 96, "store accuracy": 0.5}}
+    gpu_run.set_chapter_bars(recipe, "benchmarks/results/x.json", chapter)
+    cells = json.loads(chapter.read_text())["cells"]
+    [cell] = [c for c in cells if any("GPU_BARS = " in x for x in c["source"])]
+    source = "".join(cell["source"])
+    ast.parse(source)  # still Python, indentation kept
+    line = next(x for x in source.splitlines() if "GPU_BARS = " in x)
+    # 0.5 - 3 (0.5 x 0.5 / 96)^0.5 = 0.3469
+    assert line.strip() == 'GPU_BARS = {"store accuracy": 0.347}'
+    assert "x.json" in source
+
+
+def write_run(out: Path, parts: dict, files=("book.json", "speed.json")):
+    out.mkdir(exist_ok=True)
+    record = {"environment": {"commit": "abc"}, "started": "2026-11-26T00:00:00",
+              "finished": "2026-11-26T00:09:00", "parts": parts}  # fmt: skip
+    (out / "run.json").write_text(json.dumps(record))
+    for name in files:
+        (out / name).write_text("{}")
+
+
+def test_check_output_accepts_a_whole_run(tmp_path):
+    parts = {"branches": {}, "speed": {}}
+    write_run(tmp_path, parts)
+    assert gpu_run.check_output(tmp_path, ["branches", "speed"]) == []
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (lambda out: (out / "speed.json").unlink(), "speed wrote no speed.json"),
+        (lambda out: (out / "core.dump").write_text(""), "unexpected file core.dump"),
+        (
+            lambda out: [(out / f"log{i}.txt").write_text("") for i in range(4)],
+            "9 files",
+        ),
+    ],
+)
+def test_check_output_names_what_would_not_come_back(tmp_path, change, problem):
+    write_run(tmp_path, {"branches": {}, "speed": {"error": "x"}})
+    (tmp_path / "log.txt").write_text("")
+    (tmp_path / "segment-adapter.tar").write_text("")
+    change(tmp_path)
+    problems = gpu_run.check_output(tmp_path, ["branches", "speed"])
+    assert any(problem in p for p in problems), problems
+    assert "speed: x" in problems  # a part's error is a problem too
+
+
+def test_junit_results_read_each_outcome(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text(
+        '<testsuites><testsuite><testcase name="a"/>'
+        '<testcase name="b"><failure message="assert 1 == 2"/></testcase>'
+        '<testcase name="c"><skipped message="needs CUDA"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    assert gpu_run.junit_results(xml) == {
+        "a": "passed", "b": "failure: assert 1 == 2", "c": "skipped: needs CUDA"
+    }  # fmt: skip
+    assert "error" in gpu_run.junit_results(tmp_path / "none.xml")
+
+
+def test_ingest_refuses_a_rehearsal(tmp_path):
+    write_run(tmp_path, {})
+    record = json.loads((tmp_path / "run.json").read_text())
+    (tmp_path / "run.json").write_text(json.dumps(record | {"rehearsal": True}))
+    with pytest.raises(SystemExit, match="rehearsal"):
+        gpu_run.ingest(tmp_path)
+
+
+def test_parts_added_later_keep_the_call_they_came_from(tmp_path, monkeypatch):
+    write_run(tmp_path, {"speed": {"decode": 1.0}})
+    monkeypatch.setattr(gpu_run, "environment", lambda: {"commit": "new"})
+    run = gpu_run.Run(tmp_path, rehearse=True)
+    assert run.record["parts"]["speed"] == {
+        "commit": "abc", "started": "2026-11-26T00:00:00", "decode": 1.0
+    }  # fmt: skip
