@@ -113,3 +113,20 @@ def test_parts_added_later_keep_the_call_they_came_from(tmp_path, monkeypatch):
     assert run.record["parts"]["speed"] == {
         "commit": "abc", "started": "2026-11-26T00:00:00", "decode": 1.0
     }  # fmt: skip
+
+
+def test_chapter_12_quotes_the_ingested_run():
+    "The numbers chapter 12 quotes from the GPU run are the record's"
+    name = "gpu-run-20261126-0207.json"
+    t4 = json.loads((ROOT / "benchmarks" / "results" / name).read_text())["parts"]["t4"]
+    recipe, lora = t4["receipts recipe"], t4["3b lora"]
+    text = (ROOT / "book" / "12_fine_tuning.ipynb").read_text()
+    assert name in text
+    for dtype in ("torch.float32", "torch.float16"):
+        assert f"{lora[dtype]['peak_memory_bytes'] / 2**30:.2f}" in text
+    assert (
+        f"ran it in {recipe['seconds']:.0f} s, {recipe['examples_per_s']:.0f}" in text
+    )
+    store = recipe["metrics"]["store accuracy"]
+    assert f"right on {100 * store:.0f}% of the test" in text
+    assert recipe["metrics"]["exact match"] == 0  # "no receipt was right whole"
