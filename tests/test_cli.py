@@ -273,6 +273,29 @@ def test_version():
     assert paligemma_lib.__version__ != "0+unknown"  # read from the installed metadata
 
 
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_do_not_import_torch(flag):
+    "Nothing slow before a command needs it: --help and --version load no torch"
+    show = "import sys, runpy; runpy.run_module('paligemma_lib', run_name='__main__')"
+    check = (
+        "import atexit, sys; atexit.register(lambda: print("
+        "'torch' in sys.modules, [m for m in ('gradio', 'PIL') if m in sys.modules]"
+        ", file=sys.stderr)); sys.argv = ['paligemma_lib', '" + flag + "']; " + show
+    )
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout, run.stderr
+    assert run.stderr.strip() == "False []", run.stderr
+
+
+def test_the_top_level_help_lines_are_the_commands_own():
+    "--help builds stand-ins for the commands: their lines are the commands' own"
+    from paligemma_lib.cli.main import COMMANDS, build_parser
+
+    assert build_parser(None).format_help() == build_parser().format_help()
+    for name in COMMANDS:  # and a command's own parser, with the others' stand-ins
+        assert build_parser(name).format_help() == build_parser().format_help()
+
+
 def test_seed_without_do_sample(checkpoint):
     one_error_line(generate(checkpoint, "--seed", "3"), "--seed", "--do-sample")
 
