@@ -24,7 +24,7 @@ from .cli.interrupt import interrupted
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, interrupted)
 
-from .cli.main import main  # noqa: E402  (imports torch: after the handler)
+from .cli.main import main  # noqa: E402  (torch loads in main, for a command)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -108,7 +108,7 @@ def task_panel(adapter: str | None, segment: bool = False) -> SimpleNamespace:
         )
         use_adapter = gr.Radio(
             names,
-            value=adapter or NO_ADAPTER,  # the adapter served starts on
+            value=NO_ADAPTER,  # the adapter of the first task, caption (on_task)
             label="LoRA adapter",
             visible=len(names) > 1,
             elem_id="adapter",
@@ -279,22 +279,25 @@ def page_handlers(model, processor, adapter: str | None, segment=None):
     """The page's event handlers, bound to the one model every session shares;
     `segment`: the segment adapter's layers (detached_adapter), or None"""
 
-    def on_upload(file):
-        "A new image: the previous answer goes (it was about another image)"
+    def on_upload(file, chosen):
+        """A new image: the previous answer goes (it was about another image),
+        the adapter is the task's; a file that is not a readable image leaves
+        its message for Run too"""
         if file is None:
-            return None, None, "", *cleared()
+            return None, None, "", *cleared(), on_task(chosen), ""
         try:
             image = open_upload(file)
-            return image, image, "", *cleared()
+            return image, image, "", *cleared(), on_task(chosen), ""
         except (ValueError, OSError) as e:
-            return None, None, message(str(e)), *cleared()
+            return None, None, message(str(e)), *cleared(), on_task(chosen), str(e)
 
     def on_example(name):
-        if not name:  # the page's 6 outputs, all but the image left as they are
-            return None, None, "", gr.update(), gr.update(), gr.update()
+        if not name:  # the page's 7 outputs, all but the image left as they are
+            return None, None, "", gr.update(), gr.update(), gr.update(), ""
         _, _, example_task, example_text = EXAMPLES[name]
         image = example_image(name)
-        return image, image, "", example_task, example_text, on_task(example_task)
+        adapter_now = on_task(example_task)
+        return image, image, "", example_task, example_text, adapter_now, ""
 
     def on_task(chosen):
         "Each task's adapter: the served one for receipts, the segment one"
@@ -304,7 +307,15 @@ def page_handlers(model, processor, adapter: str | None, segment=None):
             return SEGMENT_ADAPTER
         return NO_ADAPTER
 
-    def on_run(image, chosen, typed, adapter_choice, decode, temp, k, p, s, n):
+    def on_run(
+        image, chosen, typed, adapter_choice, decode, temp, k, p, s, n, unread=""
+    ):
+        "`unread`: the message of the last upload, when it was not an image"
+        if image is None and unread:
+            return failed(
+                f"No image to ask about: the upload was not a readable image "
+                f"({unread}). Upload another image or pick an example"
+            )
         if image is None:
             return failed("Upload an image or pick an example first")
         sampling = sampling_settings(decode, temp, k, p)
@@ -354,8 +365,10 @@ def page_handlers(model, processor, adapter: str | None, segment=None):
     )
 
 
-def connect(source, controls, shown, looked, image_state, maps_state, on):
-    """Each control's event to its handler (`on`, from page_handlers)"""
+def connect(source, controls, shown, looked, states, on):
+    """Each control's event to its handler (`on`, from page_handlers); `states`:
+    the image, the attention maps, the last failed upload's message"""
+    image_state, maps_state, unread_state = states
     # One queue for the events that set the image and the run that reads it, so a
     # Run pressed right after picking an example waits for the example's image
     # (separate queues let the run read the image before it was set).
@@ -373,22 +386,23 @@ def connect(source, controls, shown, looked, image_state, maps_state, on):
     status = controls.status
     source.upload.upload(
         on.on_upload,
-        source.upload,
-        [image_state, source.preview, status, *run_outputs],
+        [source.upload, controls.task],
+        [image_state, source.preview, status, *run_outputs, controls.use_adapter]
+        + [unread_state],
         **serial,
     )
     example_outputs = [image_state, source.preview, status, controls.task]
     source.example.input(
         on.on_example,
         source.example,
-        [*example_outputs, controls.text, controls.use_adapter],
+        [*example_outputs, controls.text, controls.use_adapter, unread_state],
         **serial,
     )
     controls.task.input(on.on_task, controls.task, controls.use_adapter)
     run_inputs = [image_state, controls.task, controls.text, controls.use_adapter]
     controls.run.click(
         on.on_run,
-        [*run_inputs, *controls.settings],
+        [*run_inputs, *controls.settings, unread_state],
         [*run_outputs, status],
         **serial,
     )
@@ -404,12 +418,14 @@ def build_app(
     model, processor, adapter: str | None = None, segment: dict | None = None
 ) -> gr.Blocks:
     """The page. `model` may carry one LoRA adapter, named `adapter`; the page
-    lets the user switch it off (it is on for the receipt task by default).
+    lets the user switch it (it follows the task: on for the receipt task, off
+    for the others, the first task, caption, included).
     `segment`: the layers of a segment adapter (detached_adapter), on by default
     for the segment task"""
     with gr.Blocks(title="PaliGemma from scratch", analytics_enabled=False) as app:
         image_state = gr.State(None)  # the PIL image asked about
         maps_state = gr.State(None)  # [T, L, side, side]: attention, heads averaged
+        unread_state = gr.State("")  # the last upload's message, if not an image
         gr.Markdown(
             "# PaliGemma from scratch: the demo\n"
             "Upload an image or pick an example, choose a task, press **Run**. "
@@ -428,8 +444,7 @@ def build_app(
             controls,
             shown,
             looked,
-            image_state,
-            maps_state,
+            (image_state, maps_state, unread_state),
             page_handlers(model, processor, adapter, segment),
         )
     return app

@@ -113,10 +113,8 @@ def open_upload(path) -> Image.Image:
         )
     try:
         return load_image(path)
-    except ValueError as e:
-        raise ValueError(
-            f"{path.name} could not be read as an image: {e}"
-        ) from None
+    except ValueError as e:  # named by the file's name, not the server's copy
+        raise ValueError(str(e).replace(str(path), path.name)) from None
 
 # %% ../book/13_demo.ipynb #c014
 @dataclass

@@ -300,16 +300,18 @@ def test_every_event_returns_one_value_per_output(reference, tmp_path):
     handlers = events(build_app(model, processor, adapter="receipts"))
     for name in ("", None):
         values = handlers["on_example"].fn(name)
-        assert len(values) == len(handlers["on_example"].outputs) == 6
+        assert len(values) == len(handlers["on_example"].outputs) == 7
     notes = tmp_path / "notes.txt"
     notes.write_text("not an image")
     upload = handlers["on_upload"]
-    values = upload.fn(str(notes))
-    assert len(values) == len(upload.outputs) == 10
+    values = upload.fn(str(notes), "caption")
+    assert len(values) == len(upload.outputs) == 12
     image, preview, status, answer_text, stats = values[:5]
     assert image is None and "is not an image" in status
     assert answer_text == "" and stats == "" and values[8] is None  # maps: gone
-    assert len(upload.fn(None)) == 10
+    assert values[10] == "none" and "is not an image" in values[11]  # for Run
+    assert len(upload.fn(None, "receipt")) == 12
+    assert upload.fn(None, "receipt")[10] == "receipts"  # the task's adapter
     # an answer stopped at the page's Max tokens before <eos> says so
     scene = example_image("shapes")
     settings = ("greedy", 1.0, 0, 1.0, 0)
@@ -319,17 +321,73 @@ def test_every_event_returns_one_value_per_output(reference, tmp_path):
     assert whole[-1] == "" and whole[0], whole
 
 
-def test_the_adapter_switch_starts_on_the_served_adapter(page, server):
-    "demo --help: the receipts adapter is the default; the page starts with it on"
+def test_the_adapter_follows_the_task_from_the_first_upload(page, server):
+    """demo --help: the receipts adapter is served, but on for the receipt task only:
+    a fresh page captions an upload without it, even after the switch was turned on"""
     from playwright.sync_api import expect
 
+    from paligemma_lib.data import make_example
+
+    picture = ROOT / "book" / "figures" / "nano_scene.png"  # the README's
+    truth = make_example("shapes", 1_000_012_013, "caption").answer
     fresh = page.context.browser.new_page()
+    block_outside(fresh, (server,))
     try:
         fresh.goto(server)
         switch = fresh.locator("#adapter")
-        expect(switch.get_by_label("receipts", exact=True)).to_be_checked()
+        expect(switch.get_by_label("receipts", exact=True)).not_to_be_checked()
+        expect(switch.get_by_label("none", exact=True)).to_be_checked()
+        switch.get_by_label("receipts", exact=True).check()  # a user's click
+        fresh.locator("#upload input[type=file]").set_input_files(str(picture))
+        expect(fresh.locator("#preview img")).to_be_visible(timeout=ANSWER_MS)
+        expect(switch.get_by_label("none", exact=True)).to_be_checked()  # caption's
+        fresh.locator("#run").click()
+        answer = fresh.locator("#answer textarea")
+        expect(answer).to_have_value(truth, timeout=ANSWER_MS)
     finally:
         fresh.close()
+
+
+def test_a_corrupt_upload_is_named_and_run_says_what_happened(page, server, tmp_path):
+    """A file that is not a readable image: the message names the file (not the
+    server's copy of it), and Run says the upload was not a readable image"""
+    from playwright.sync_api import expect
+
+    whole = io.BytesIO()
+    Image.new("RGB", (64, 64), "teal").save(whole, format="PNG")
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(whole.getvalue()[:60])  # the header, then cut short
+    fresh = page.context.browser.new_page()
+    block_outside(fresh, (server,))
+    try:
+        fresh.goto(server)
+        message = fresh.locator("#message")
+        fresh.locator("#upload input[type=file]").set_input_files(str(corrupt))
+        expect(message).to_contain_text("corrupt.png", timeout=ANSWER_MS)
+        shown = message.inner_text()
+        assert "/tmp" not in shown and "gradio" not in shown, shown
+        fresh.locator("#run").click()
+        expect(message).to_contain_text(
+            "the upload was not a readable image", timeout=ANSWER_MS
+        )
+        assert "pick an example first" not in message.inner_text()
+    finally:
+        fresh.close()
+
+
+def test_a_busy_port_is_named_before_anything_loads(capsys):
+    "demo on a port in use: one error line naming --port, and no 'open http://'"
+    from paligemma_lib.__main__ import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["demo", "--port", str(port), "--device", "cpu"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, (out, err)
+    assert err.startswith(f"error: cannot serve on 127.0.0.1:{port}")
+    assert "--port" in err and "GRADIO_SERVER_PORT" not in err
 
 
 def test_concurrent_sessions_switching_adapters(server, reference):

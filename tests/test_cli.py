@@ -273,6 +273,29 @@ def test_version():
     assert paligemma_lib.__version__ != "0+unknown"  # read from the installed metadata
 
 
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_do_not_import_torch(flag):
+    "Nothing slow before a command needs it: --help and --version load no torch"
+    show = "import sys, runpy; runpy.run_module('paligemma_lib', run_name='__main__')"
+    check = (
+        "import atexit, sys; atexit.register(lambda: print("
+        "'torch' in sys.modules, [m for m in ('gradio', 'PIL') if m in sys.modules]"
+        ", file=sys.stderr)); sys.argv = ['paligemma_lib', '" + flag + "']; " + show
+    )
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout, run.stderr
+    assert run.stderr.strip() == "False []", run.stderr
+
+
+def test_the_top_level_help_lines_are_the_commands_own():
+    "--help builds stand-ins for the commands: their lines are the commands' own"
+    from paligemma_lib.cli.main import COMMANDS, build_parser
+
+    assert build_parser(None).format_help() == build_parser().format_help()
+    for name in COMMANDS:  # and a command's own parser, with the others' stand-ins
+        assert build_parser(name).format_help() == build_parser().format_help()
+
+
 def test_seed_without_do_sample(checkpoint):
     one_error_line(generate(checkpoint, "--seed", "3"), "--seed", "--do-sample")
 
@@ -917,6 +940,64 @@ def test_evaluate_segments_reports_mask_miou_and_baselines(capsys):
     assert int(rows["objects", "graded"]) >= truth
 
 
+NANO_SCENE_SEED = 1_000_012_013  # a test seed: book/figures/make_nano_scene.py
+
+
+def test_the_readme_picture_is_answered_right_on_every_prompt(capsys):
+    """README's and A.1's picture: nano's commands answer every prompt of its world
+    about it right (the caption, the count, each colour, each shape's box)"""
+    from paligemma_lib.boxes import parse_loc_tokens
+    from paligemma_lib.data import make_example
+    from paligemma_lib.evaluation import box_iou
+
+    picture = Path(__file__).resolve().parents[1] / "book/figures/nano_scene.png"
+    scene = make_example("shapes", NANO_SCENE_SEED, "caption")
+    assert np.array_equal(np.asarray(load_image(picture)), np.asarray(scene.image))
+    kinds = [label.split()[1] for label in scene.labels]
+    assert sorted(kinds) == ["circle", "square", "triangle"]  # every prompt applies
+    truth = {"caption en": scene.answer, "answer en how many shapes are there?": "3"}
+    for label in scene.labels:
+        colour, kind = label.split()
+        truth[f"answer en what color is the {kind}?"] = colour
+    for prompt, want in truth.items():
+        assert main(["generate", "--image", str(picture), "--prompt", prompt]) == 0
+        assert capsys.readouterr().out == want + "\n", prompt
+    for kind, box in zip(kinds, scene.boxes):
+        prompt = f"detect {kind}"
+        assert main(["generate", "--image", str(picture), "--prompt", prompt]) == 0
+        text = capsys.readouterr().out.splitlines()[0]  # then the boxes, in words
+        found = parse_loc_tokens(text, 224, 224)
+        assert [label for _, label in found] == [kind], prompt
+        assert box_iou(found[0][0], box) >= 0.5, (prompt, found, box)
+
+
+def test_the_readme_segment_picture_says_the_base_model_never_saw_it(capsys):
+    """README's segment scene: its command (with the segment adapter) boxes both
+    circles; the text beside it says the base model is outside that world"""
+    from paligemma_lib import segmentation  # noqa: F401  (adds the segments world)
+    from paligemma_lib.boxes import parse_loc_tokens
+    from paligemma_lib.data import SyntheticDataset
+    from paligemma_lib.evaluation import box_iou
+
+    root = Path(__file__).resolve().parents[1]
+    picture = root / "book/figures/segment_scene.png"
+    scene = SyntheticDataset("segments", "test", size=1002).example(1001)
+    command = ["--prompt", "segment circle", "--adapter", "segment"]
+    assert main(["generate", "--image", str(picture), *command]) == 0
+    found = parse_loc_tokens(capsys.readouterr().out.splitlines()[0], 224, 224)
+    assert [label for _, label in found] == scene.labels == ["circle", "circle"]
+    for box in scene.boxes:
+        assert max(box_iou(b, box) for b, _ in found) >= 0.5, (found, box)
+    # beside the picture: the base model never saw this world
+    readme = (root / "README.md").read_text()
+    after = readme.split("(book/figures/segment_masks.png)")[1].split("\n\n")[1]
+    after = " ".join(after.split())
+    assert "which the base `nano` never saw" in after
+    assert "without `--adapter segment`" in after
+    main(["generate", "--image", str(picture), "--prompt", "caption en"])
+    assert "triangle" not in capsys.readouterr().out  # as the text says
+
+
 def test_the_readme_first_command_and_what_nano_has_seen(capsys):
     "The README's picture is a test scene of the data module, captioned as it says"
     from paligemma_lib.data import COLOURS, SIDES, make_example
@@ -924,7 +1005,7 @@ def test_the_readme_first_command_and_what_nano_has_seen(capsys):
     root = Path(__file__).resolve().parents[1]
     readme = " ".join((root / "README.md").read_text().split())
     picture = root / "book" / "figures" / "nano_scene.png"
-    scene = make_example("shapes", 1_000_012_002, "caption")
+    scene = make_example("shapes", NANO_SCENE_SEED, "caption")
     assert np.array_equal(np.asarray(load_image(picture)), np.asarray(scene.image))
     command = 'generate --image book/figures/nano_scene.png --prompt "caption en"'
     assert f"python -m paligemma_lib {command}" in readme

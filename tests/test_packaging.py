@@ -2,9 +2,12 @@
 
 import ast
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,3 +219,39 @@ def test_readers_environment_installs_what_a_reader_does():
     assert extra == ".[chapters]"
     others = words[words.index("-e") + 2 :]
     assert sorted(others) == ["ipykernel", "nbval", "pytest"], others
+
+
+def code_blocks(markdown: str) -> list[tuple[str, str]]:
+    "(language, text) of each fenced block, in order"
+    return re.findall(r"^```(\w*)\n(.*?)^```", markdown, re.MULTILINE | re.DOTALL)
+
+
+def test_readme_set_up_a_cpu_user_copies_the_cpu_build_first():
+    """README: the CPU build's command comes before the set-up block, whose two
+    lines are what .ci/run reads (the first bash block's `pip install` and
+    `python -m pytest` lines); the library alone has its own line"""
+    blocks = code_blocks((ROOT / "README.md").read_text())
+    setup = next(i for i, (language, _) in enumerate(blocks) if language == "bash")
+    assert blocks[setup][1].splitlines() == [
+        'pip install torch==2.13.0 && pip install -c constraints.txt -e ".[dev]"',
+        "python -m pytest tests book --nbval-lax -p no:cacheprovider",
+    ]
+    cpu = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    first_pip = next(text for _, text in blocks if text.startswith("pip install"))
+    assert first_pip.strip() == cpu  # the first pip command a reader meets
+    assert ("", "pip install .\n") in blocks  # only the library
+
+
+@pytest.mark.parametrize("page", ["README.md", "book/a1_using_the_library.md"])
+def test_the_first_python_snippet_runs_on_a_shipped_picture(page):
+    """The page's first Python snippet (nano, caption en) runs from the
+    repository's root as written, and prints the picture's caption"""
+    from paligemma_lib.data import make_example
+
+    blocks = code_blocks((ROOT / page).read_text())
+    snippet = next(text for language, text in blocks if language == "python")
+    run = subprocess.run(
+        [sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == make_example("shapes", 1_000_012_013, "caption").answer + "\n"

@@ -2,6 +2,8 @@
 """`python -m paligemma_lib demo`: serve the demo page (chapter 13)."""
 
 import argparse
+import errno
+import socket
 from pathlib import Path
 
 from .interrupt import ON_INTERRUPT
@@ -24,9 +26,9 @@ def add_demo_parser(commands) -> None:
     demo.add_argument(
         "--adapter",
         default=None,
-        help="a LoRA adapter folder in PEFT's format, switchable in the page (where "
-        "it starts on), or 'none'. Default: the shipped receipts adapter (chapter "
-        "12) when the package has it",
+        help="a LoRA adapter folder in PEFT's format, switchable in the page (on "
+        "for the receipt task), or 'none'. Default: the shipped receipts adapter "
+        "(chapter 12) when the package has it",
     )
     demo.add_argument(
         "--segment-adapter",
@@ -57,6 +59,7 @@ def demo_command(args: argparse.Namespace, argv=None) -> int:
         "--segment-adapter", args.segment_adapter, shipped_adapter("segment")
     )
     check_model(args.model)
+    check_port(args.host, args.port)
     try:
         from ..app import serve
     except ModuleNotFoundError as e:
@@ -82,3 +85,23 @@ def adapter_flag(flag: str, value, shipped):
             "adapter_config.json and adapter_model.safetensors, or 'none'"
         )
     return value
+
+
+def check_port(host: str, port: int) -> None:
+    "A ValueError naming --port if nothing can listen on host:port (before loading)"
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM
+        )[0]
+        with socket.socket(family, kind) as probe:
+            # as the server binds: a port left in TIME_WAIT is free
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:
+        hint = (
+            "is another demo running there? Choose another port with --port N"
+            if e.errno == errno.EADDRINUSE
+            else "check --host and --port"
+        )
+        message = f"cannot serve on {host}:{port} ({e.strerror or e}): {hint}"
+        raise ValueError(message) from None
