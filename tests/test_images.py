@@ -383,3 +383,26 @@ def test_sixteen_bit_differs_from_the_reference_exactly_where_it_clips():
     assert 0 < clipped.float().mean() < 1
     assert torch.equal((ours - theirs).abs() > 1e-6, clipped)
     assert (theirs[clipped] == 1).all()  # clipped to white
+
+
+@pytest.mark.parametrize("size", [(1, 1), (10000, 10)])
+def test_generate_notes_an_image_far_from_what_the_model_saw(size, tmp_path, capsys):
+    "Issue 39: a 1 x 1 or 10000 x 10 picture answered nonsense without a word"
+    from paligemma_lib.cli.main import main
+
+    path = tmp_path / "odd.png"
+    Image.new("RGB", size, (200, 30, 30)).save(path)
+    code = main(["generate", "--image", str(path), "--prompt", "caption en"])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert f"note: the image is {size[0]} x {size[1]} pixels" in err
+    assert "Crop it" in err
+
+
+def test_a_picture_like_the_models_gives_no_note(tmp_path, capsys):
+    from paligemma_lib.cli.main import main
+
+    path = tmp_path / "scene.png"
+    scene(320, 200).save(path)
+    assert main(["generate", "--image", str(path), "--prompt", "caption en"]) == 0
+    assert "note: the image" not in capsys.readouterr().err
