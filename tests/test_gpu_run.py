@@ -130,3 +130,13 @@ def test_chapter_12_quotes_the_ingested_run():
     store = recipe["metrics"]["store accuracy"]
     assert f"right on {100 * store:.0f}% of the test" in text
     assert recipe["metrics"]["exact match"] == 0  # "no receipt was right whole"
+
+
+def test_the_readme_quotes_the_h200_decoding_of_the_record():
+    speed = json.loads(
+        (ROOT / "benchmarks/results/gpu-run-20261126-0207.json").read_text()
+    )["parts"]["speed"]
+    ours = speed["decode ours compiled, batch 1"]
+    theirs = speed["decode transformers static compiled, batch 1"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"on an H200, {ours:.2f} ms against its {theirs:.2f}" in readme
