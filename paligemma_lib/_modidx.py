@@ -2,6 +2,7 @@
 
 d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_url': '', 'lib_path': 'paligemma_lib'},
   'syms': { 'paligemma_lib.adapters': { 'paligemma_lib.adapters.adapted_module': ('lora.html#adapted_module', 'paligemma_lib/adapters.py'),
+                                        'paligemma_lib.adapters.check_adapter': ('lora.html#check_adapter', 'paligemma_lib/adapters.py'),
                                         'paligemma_lib.adapters.load_adapter': ('lora.html#load_adapter', 'paligemma_lib/adapters.py'),
                                         'paligemma_lib.adapters.lora_config_from_peft': ( 'lora.html#lora_config_from_peft',
                                                                                           'paligemma_lib/adapters.py'),
@@ -10,7 +11,9 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                         'paligemma_lib/adapters.py'),
                                         'paligemma_lib.adapters.resolve_adapter_path': ( 'lora.html#resolve_adapter_path',
                                                                                          'paligemma_lib/adapters.py'),
-                                        'paligemma_lib.adapters.save_adapter': ('lora.html#save_adapter', 'paligemma_lib/adapters.py')},
+                                        'paligemma_lib.adapters.save_adapter': ('lora.html#save_adapter', 'paligemma_lib/adapters.py'),
+                                        'paligemma_lib.adapters.shipped_adapter_path': ( 'lora.html#shipped_adapter_path',
+                                                                                         'paligemma_lib/adapters.py')},
             'paligemma_lib.boxes': { 'paligemma_lib.boxes.bin_to_coordinate': ( 'tokenizer_and_processor.html#bin_to_coordinate',
                                                                                 'paligemma_lib/boxes.py'),
                                      'paligemma_lib.boxes.boxes_to_loc_string': ( 'tokenizer_and_processor.html#boxes_to_loc_string',

@@ -6,9 +6,9 @@
 # %% auto #0
 __all__ = ['ADAPTER_CONFIG', 'ADAPTER_WEIGHTS', 'PEFT_PREFIX', 'OURS_TO_PEFT',
            'UNSUPPORTED', 'CHANGES_BASE', 'LORA_PARTS', 'SHIPPED_ADAPTERS',
-           'peft_name', 'peft_target_modules', 'save_adapter',
-           'lora_config_from_peft', 'adapted_module', 'resolve_adapter_path',
-           'load_adapter']
+           'PEFT_KEYS', 'peft_name', 'peft_target_modules', 'save_adapter',
+           'lora_config_from_peft', 'adapted_module', 'shipped_adapter_path',
+           'resolve_adapter_path', 'check_adapter', 'load_adapter']
 
 # %% ../book/10_lora.ipynb #c003b
 # The cells of "Saving adapters in PEFT's format" export to
@@ -31,7 +31,12 @@ from paligemma_lib.lora import (
     lora_state_dict,
     matches,
 )
-from .weights import our_name, write_safetensors
+from .model_files import read_json
+from paligemma_lib.weights import (
+    our_name,
+    read_safetensors_header,
+    write_safetensors,
+)
 from safetensors import safe_open
 from torch import nn
 
@@ -226,6 +231,12 @@ def adapted_module(key: str) -> tuple[str, str]:
 SHIPPED_ADAPTERS = {"receipts": "assets/receipts", "segment": "assets/segment"}
 
 
+def shipped_adapter_path(name: str) -> Path:
+    "The package's folder of a shipped adapter (a key of SHIPPED_ADAPTERS)"
+    package = Path(find_spec("paligemma_lib").origin).parent
+    return package / SHIPPED_ADAPTERS[name]
+
+
 def resolve_adapter_path(name_or_path) -> Path:
     """An adapter folder from a path or a shipped adapter's name ("receipts");
     an existing local folder of that name wins"""
@@ -233,14 +244,50 @@ def resolve_adapter_path(name_or_path) -> Path:
     if path.is_dir():
         return path
     if str(name_or_path) in SHIPPED_ADAPTERS:
-        package = Path(find_spec("paligemma_lib").origin).parent
-        return package / SHIPPED_ADAPTERS[str(name_or_path)]
+        return shipped_adapter_path(str(name_or_path))
     if not path.exists():
         raise FileNotFoundError(
             f"no adapter folder at {path}, and {str(name_or_path)!r} is not "
             f"the name of a shipped adapter ({', '.join(SHIPPED_ADAPTERS)})"
         )
     return path
+
+
+PEFT_KEYS = ("r", "lora_alpha", "target_modules")  # in adapter_config.json
+
+
+def check_adapter(name_or_path) -> tuple[Path, LoraConfig]:
+    """The adapter folder (see resolve_adapter_path) and its LoraConfig, its
+    two files checked (the weights by their header only); errors name the
+    file and say what to do"""
+    folder = resolve_adapter_path(name_or_path)
+    name = str(name_or_path)
+    for file in (folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS):
+        if file.is_file():
+            continue
+        hint = (
+            "give the folder that save_adapter, `train --lora` or PEFT's "
+            "save_pretrained wrote"
+        )
+        if name in SHIPPED_ADAPTERS and folder == Path(name):
+            hint = (
+                f"a folder {name} here was found before the shipped adapter "
+                f"{name}; rename it, or give the shipped one by its path, "
+                f"{shipped_adapter_path(name)}"
+            )
+        raise FileNotFoundError(f"{folder} holds no {file.name}: {hint}")
+    config_file = folder / ADAPTER_CONFIG
+    config = read_json(config_file)  # not JSON: an error naming the file
+    missing = [key for key in PEFT_KEYS if key not in config]
+    if missing:
+        raise ValueError(
+            f"{config_file} has no {missing[0]!r}: it is not PEFT's LoRA "
+            "adapter_config.json; save the adapter again (train --lora, "
+            "save_adapter or PEFT's save_pretrained)"
+        )
+    # a truncated or damaged file: an error naming it
+    read_safetensors_header(folder / ADAPTER_WEIGHTS)
+    return folder, lora_config_from_peft(config, config_file)
 
 
 def load_adapter(
@@ -250,19 +297,8 @@ def load_adapter(
     save_adapter), or the shipped adapter of that name (SHIPPED_ADAPTERS), to
     `model`, in place: the modules its file holds weights for are wrapped and
     loaded. The names of the wrapped modules"""
-    folder = resolve_adapter_path(folder)
-    config_file, weights_file = (
-        folder / ADAPTER_CONFIG,
-        folder / ADAPTER_WEIGHTS,
-    )
-    for file in (config_file, weights_file):
-        if not file.is_file():
-            raise FileNotFoundError(
-                f"{folder} holds no {file.name}: is it an adapter folder?"
-            )
-    cfg = lora_config_from_peft(
-        json.loads(config_file.read_text()), config_file
-    )
+    folder, cfg = check_adapter(folder)
+    weights_file = folder / ADAPTER_WEIGHTS
     cfg.dtype = dtype
     with safe_open(weights_file, framework="pt") as f:
         tensors = {key: f.get_tensor(key) for key in f.keys()}

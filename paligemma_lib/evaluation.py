@@ -24,6 +24,7 @@ from paligemma_lib.train import (
     count_targets,
     token_loss_sum,
 )
+from tqdm import tqdm
 
 __doc__ = """Evaluation (chapter 11.2): the validation loss, greedy
 predictions, and the task metrics of the synthetic worlds (exact match, box
@@ -58,21 +59,27 @@ def predict(
     batch_size: int = 16,
     max_new_tokens: int = 64,  # a receipt's JSON is about 35 tokens
     limit=None,
+    progress: bool = False,
+    warn_truncated: bool = False,
 ) -> list[dict]:
     """Greedy answers to the first `limit` examples (all if None) ->
     [{"prompt", "answer", "prediction"}], in the dataset's order. An answer cut
-    at max_new_tokens is graded as it stands: no TruncatedAnswerWarning for it
-    """
+    at max_new_tokens is graded as it stands, with no TruncatedAnswerWarning
+    for it; with `warn_truncated`, one after the last batch if any answer was
+    cut. `progress`: a progress bar over the examples (on stderr)"""
     model.eval()
     n = len(dataset) if limit is None else min(limit, len(dataset))
-    rows = []
+    rows, cut = [], False
+    bar = tqdm(
+        total=n, unit="example", desc="evaluating", disable=not progress
+    )
     for start in range(0, n, batch_size):
         examples = [
             dataset[i] for i in range(start, min(start + batch_size, n))
         ]
         images, prompts, answers = (list(column) for column in zip(*examples))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", TruncatedAnswerWarning)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", TruncatedAnswerWarning)
             predictions = answer(
                 model,
                 processor,
@@ -80,10 +87,25 @@ def predict(
                 prompts,
                 max_new_tokens=max_new_tokens,
             )
+        for w in caught:  # other warnings pass on
+            if issubclass(w.category, TruncatedAnswerWarning):
+                cut = True
+            else:
+                warnings.warn(w.message, w.category, stacklevel=2)
         rows += [
             {"prompt": p, "answer": a, "prediction": q}
             for p, a, q in zip(prompts, answers, predictions)
         ]
+        bar.update(len(examples))
+    bar.close()
+    if cut and warn_truncated:
+        warnings.warn(
+            f"answers stopped at max_new_tokens={max_new_tokens} before <eos> "
+            "are graded as they stand, cut short; pass a larger "
+            "max_new_tokens",
+            TruncatedAnswerWarning,
+            stacklevel=2,
+        )
     return rows
 
 # %% ../book/11b_training.ipynb #c042

@@ -66,6 +66,11 @@ def too_many_pixels(path, error: Exception) -> str:
 def load_image(source) -> Image.Image:
     """A path or PIL image -> a fully decoded 8-bit RGB PIL image, or a clear
     error"""
+    if isinstance(source, str) and re.match(r"[A-Za-z][\w+.-]*://", source):
+        raise ValueError(
+            f"{source} is a URL: only local files are read; download it "
+            "first and give the file's path"
+        )
     if isinstance(source, (str, Path)):
         path = Path(source)
         if not path.exists():

@@ -102,7 +102,13 @@ def _check_tokenizer(tokenizer: GemmaTokenizer):
 
 def _as_texts(texts, what: str) -> list[str]:
     "A str or a list of str -> a list of str, or a clear error"
-    texts = [texts] if isinstance(texts, str) else list(texts)
+    try:
+        texts = [texts] if isinstance(texts, str) else list(texts)
+    except TypeError:  # None, a number: not a text, not a list of them
+        raise TypeError(
+            f"{what} is {type(texts).__name__}: pass a str, e.g. "
+            '"caption en", or a list of str, one per image'
+        ) from None
     if not texts:
         raise ValueError(
             f"no {what} given: pass a str or a non-empty list of str"

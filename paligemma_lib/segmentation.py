@@ -11,6 +11,7 @@ __all__ = ['NUM_SEG_CODES', 'CODE_DIM', 'NUM_MASK_TOKENS', 'MASK_SIZE',
 # %% ../book/12b_segmentation.ipynb #s002
 import os
 import re
+import zipfile
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -221,8 +222,18 @@ def load_mask_vae(path=None) -> MaskVAE:
             "vae-oid.npz's layout, or leave $PALIGEMMA_SEG_VAE unset for "
             "the shipped one"
         )
-    with np.load(path) as npz:
-        arrays = {key: npz[key] for key in npz.files}
+    not_npz = (
+        f"{path} is not an .npz file of the mask VAE's arrays (the layout of "
+        "big_vision's vae-oid.npz); give such a file, or none for the "
+        "shipped VAE"
+    )
+    if not zipfile.is_zipfile(path):  # an .npz is a zip of .npy files
+        raise ValueError(not_npz)
+    try:  # arrays of numbers only: no pickled objects, no code run
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {key: npz[key] for key in npz.files}
+    except (ValueError, OSError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{not_npz} ({e})") from None
     vae = MaskVAE()
     _check_vae_arrays(arrays, vae.state_dict(), path.name)
     state = {

@@ -22,10 +22,12 @@ import torch
 from .config import PaliGemmaConfig
 from .devices import has_native_bf16, pick_device
 from paligemma_lib.model_files import (
+    SHIPPED,
     cached_snapshots,
     hub_cache,
     read_json,
     resolve_model_path,
+    shipped_model_path,
 )
 from .paligemma import PaliGemmaForConditionalGeneration
 from safetensors import safe_open
@@ -146,6 +148,7 @@ def _weight_map(index: Path) -> dict:
 def checkpoint_files(folder) -> list[Path]:
     """The safetensors files of a folder (or of a shipped model's name,
     "nano"): model.safetensors, or its index's shards"""
+    name = str(folder)
     # a missing folder: an error naming "nano"
     folder = resolve_model_path(folder)
     if not folder.is_dir():
@@ -154,8 +157,16 @@ def checkpoint_files(folder) -> list[Path]:
             f"(config.json, model.safetensors)"
         )
     if not (folder / "config.json").is_file():
+        shadows = name in SHIPPED and folder == Path(name)
         raise CheckpointError(
             f"{folder} is not a PaliGemma checkpoint: it has no config.json"
+            + (
+                f"; a folder {name} here was found before the shipped model "
+                f"{name}: rename it, or give the shipped one by its path, "
+                f"{shipped_model_path(name)}"
+                if shadows
+                else ""
+            )
         )
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
     if single.is_file() and index.is_file():

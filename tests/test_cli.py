@@ -924,11 +924,11 @@ def test_evaluate_segments_reports_mask_miou_and_baselines(capsys):
     from paligemma_lib import segmentation  # noqa: F401  (adds the segments world)
     from paligemma_lib.data import SyntheticDataset
 
-    code = main(
-        ["evaluate", "--world", "segments", "--limit", "3", "--batch-size", "3"]
-    )
+    code = main(["evaluate", "--world", "segments", "--adapter", "segment",
+                 "--limit", "3", "--batch-size", "3", "--no-progress"])  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
-    assert code == 0 and lines[0] == "nano on segments (test, 3 examples)"
+    assert code == 0
+    assert lines[0] == "nano with adapter segment on segments (test, 3 examples)"
     rows = {tuple(line.split()[1:-1]): line.split()[-1] for line in lines[2:]}
     for name in ("mIoU", "filled box mIoU", "class mask mIoU"):
         for kind in ("", "circle", "square", "triangle"):

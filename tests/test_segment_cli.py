@@ -149,4 +149,4 @@ def test_demo_segment_adapter_that_is_no_folder(tmp_path):
          str(tmp_path / "nope")],
         capture_output=True, text=True,
     )  # fmt: skip
-    one_error_line(run, "--segment-adapter", "no such folder")
+    one_error_line(run, "--segment-adapter", "no adapter folder at")

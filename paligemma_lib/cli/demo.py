@@ -4,11 +4,11 @@
 import argparse
 import errno
 import socket
-from pathlib import Path
 
 from .interrupt import ON_INTERRUPT
 from .options import (
     DEVICE_HELP,
+    adapter_folder,
     add_model_arguments,
     check_device,
     check_model,
@@ -26,17 +26,17 @@ def add_demo_parser(commands) -> None:
     demo.add_argument(
         "--adapter",
         default=None,
-        help="a LoRA adapter folder in PEFT's format, switchable in the page (on "
-        "for the receipt task), or 'none'. Default: the shipped receipts adapter "
-        "(chapter 12) when the package has it",
+        help="a LoRA adapter folder in PEFT's format or a shipped adapter's name, "
+        "switchable in the page (on for the receipt task), or 'none'. Default: "
+        "the shipped receipts adapter (chapter 12) when the package has it",
     )
     demo.add_argument(
         "--segment-adapter",
         default=None,
-        help="the LoRA adapter folder of the segment task (section 12.1), on for it "
-        "and switchable in the page, or 'none'. Default: the shipped segment adapter "
-        "when the package has it; without one, the segment task answers without an "
-        "adapter and says so",
+        help="the LoRA adapter (folder or shipped name) of the segment task "
+        "(section 12.1), on for it and switchable in the page, or 'none'. Default: "
+        "the shipped segment adapter when the package has it; without one, the "
+        "segment task answers without an adapter and says so",
     )
     demo.add_argument(
         "--host",
@@ -74,17 +74,13 @@ def demo_command(args: argparse.Namespace, argv=None) -> int:
 
 
 def adapter_flag(flag: str, value, shipped):
-    "An adapter flag's folder: `shipped` when not given, None for 'none'"
+    """An adapter flag's folder, its files checked: a folder or a shipped adapter's
+    name (as for generate's --adapter); `shipped` when not given, None for 'none'"""
     if value is None:
         return shipped
     if value == "none":
         return None
-    if not Path(value).is_dir():
-        raise ValueError(
-            f"{flag} {value}: no such folder; give a folder with "
-            "adapter_config.json and adapter_model.safetensors, or 'none'"
-        )
-    return value
+    return adapter_folder(value, flag)
 
 
 def check_port(host: str, port: int) -> None:

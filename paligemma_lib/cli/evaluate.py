@@ -5,8 +5,11 @@ split (chapter 11.3), optionally added to its training record."""
 import argparse
 import json
 import os
+import sys
+import warnings
 from pathlib import Path
 
+from ..adapters import resolve_adapter_path
 from ..model_files import resolve_model_path
 from ..processing import PaliGemmaProcessor
 from ..weights import load_pretrained, resolve_device
@@ -21,8 +24,11 @@ from .options import (
     check_device,
     check_model,
     check_quantize,
+    check_segment_taught,
     command_parser,
     import_data,
+    shipped,
+    warning_note,
     with_adapter,
 )
 
@@ -60,22 +66,27 @@ def add_evaluate_parser(commands) -> None:
     ev.add_argument(
         "--record",
         action="store_true",
-        help="also write the metrics into the folder's training_record.json "
-        "(under 'evaluations', with this command)",
+        help="also write the metrics into the training_record.json of the folder "
+        "evaluated: --adapter's, else --model's (under 'evaluations', with this "
+        "command); not into a shipped one, which the commands only read",
     )
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def evaluate_command(args: argparse.Namespace, argv) -> int:
     from ..evaluation import compute_metrics, format_metrics, predict
+    from ..generation import TruncatedAnswerWarning
 
     at_least(args, limit=1, batch_size=1, max_new_tokens=1)
     check_device(args.device)
-    if args.record:
-        record_path(args.model)  # before the slow part
     check_model(args.model)
     check_quantize(args)
     if args.adapter is not None:
         adapter_folder(args.adapter)
+    if args.record:
+        record_path(args)  # before the slow part
+    if args.world == "segments":
+        check_segment_taught(args)
     processor = PaliGemmaProcessor.from_pretrained(args.model)
     data = import_data()
     device = resolve_device(args.device)
@@ -84,13 +95,29 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
     dataset = data.SyntheticDataset(
         worlds={args.world: 1.0}, split=args.split, size=args.limit
     )
-    rows = predict(
-        model,
-        processor,
-        dataset,
-        batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TruncatedAnswerWarning)
+        rows = predict(
+            model,
+            processor,
+            dataset,
+            batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens,
+            progress=not args.no_progress,
+            warn_truncated=True,
+        )
+    for warning in caught:
+        if issubclass(warning.category, TruncatedAnswerWarning):
+            print(
+                f"note: answers stopped at --max-new-tokens {args.max_new_tokens} "
+                "before their end (<eos>) are graded as they stand, cut short; "
+                "raise --max-new-tokens",
+                file=sys.stderr,
+            )
+        else:
+            warning_note(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
     metrics = compute_metrics(rows)
     if args.world == "segments":  # masks against the scenes' exact masks
         from ..segment_eval import segment_metrics
@@ -107,8 +134,21 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
     return 0
 
 
-def record_path(model) -> Path:
-    record_file = resolve_model_path(model) / "training_record.json"
+def record_path(args) -> Path:
+    """The training record --record adds to: the adapter's when there is one (the
+    folder `train --lora` wrote), else the model's; never a shipped one"""
+    flag, name = "--model", args.model
+    folder = resolve_model_path(name)
+    if args.adapter is not None:
+        flag, name = "--adapter", args.adapter
+        folder = resolve_adapter_path(name)
+    record_file = folder / "training_record.json"
+    if shipped(folder):
+        raise ValueError(
+            f"--record: {flag} {name} is shipped with the package, and the commands "
+            f"never change its files ({record_file}); copy the folder (cp -r "
+            f"{folder} my-{folder.name}) and give {flag} my-{folder.name} --record"
+        )
     if not record_file.is_file():
         raise FileNotFoundError(
             f"--record: {record_file} does not exist; --record adds to the record "
@@ -119,7 +159,7 @@ def record_path(model) -> Path:
 
 def add_evaluation(args, argv, examples: int, metrics: dict) -> Path:
     "Add this evaluation to the model folder's training record, atomically"
-    record_file = record_path(args.model)
+    record_file = record_path(args)
     record = json.loads(record_file.read_text())
     command = " ".join(["python -m paligemma_lib", *map(str, argv)])
     evaluations = record.setdefault("evaluations", {})

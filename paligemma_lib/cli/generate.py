@@ -29,6 +29,7 @@ from .options import (
     check_image_arg,
     check_model,
     check_quantize,
+    check_segment_taught,
     command_parser,
     warning_note,
     with_adapter,
@@ -173,6 +174,8 @@ def generate_command(args: argparse.Namespace, argv=None) -> int:
     check_quantize(args)
     if args.adapter is not None:
         adapter_folder(args.adapter)
+    if task == "segment":
+        check_segment_taught(args)
     processor = PaliGemmaProcessor.from_pretrained(args.model)
     device = resolve_device(args.device)
     model = load_pretrained(

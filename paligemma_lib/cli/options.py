@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from ..adapters import SHIPPED_ADAPTERS
 from ..demo import check_image_pixels
-from ..model_files import SHIPPED
+from ..model_files import SHIPPED, read_json, resolve_model_path
 from ..weights import CheckpointError, checkpoint_files
 
 BAD_INPUT = (
@@ -37,8 +38,8 @@ MODEL_HELP = (
 
 ADAPTER_HELP = (
     "a LoRA adapter to add to the model: a folder in PEFT's format (from `train "
-    "--lora`, PEFT or save_adapter), or the name of a shipped adapter (receipts, "
-    "for --model nano)"
+    "--lora`, PEFT or save_adapter), or the name of a shipped adapter "
+    f"({', '.join(SHIPPED_ADAPTERS)}; for --model nano)"
 )
 
 
@@ -56,18 +57,57 @@ def check_model(name_or_path) -> None:
     checkpoint_files(name_or_path)
 
 
-def adapter_folder(name_or_path) -> Path:
-    "The adapter folder --adapter names, checked before any model loads"
-    from ..adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, resolve_adapter_path
+def adapter_folder(name_or_path, flag: str = "--adapter") -> Path:
+    """The adapter folder --adapter names, its files checked before any model
+    loads"""
+    from ..adapters import check_adapter
 
-    folder = resolve_adapter_path(name_or_path)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        if not (folder / name).is_file():
-            raise FileNotFoundError(
-                f"--adapter {name_or_path}: {folder} holds no {name}; give the folder "
-                f"that `train --lora` or PEFT's save_pretrained wrote"
-            )
+    try:
+        folder, _ = check_adapter(name_or_path)
+    except (OSError, ValueError) as e:  # the same kind, the flag named first
+        raise type(e)(f"{flag} {name_or_path}: {e}") from None
     return folder
+
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"  # the shipped files
+
+
+def shipped(folder) -> bool:
+    "Whether `folder` is one the package ships (a model or an adapter)"
+    return Path(folder).resolve().is_relative_to(ASSETS)
+
+
+def taught_worlds(model, adapter=None) -> set | None:
+    """The worlds the model (and adapter) were trained on, by their training
+    records; None when a record is missing (real PaliGemma has none)"""
+    from ..adapters import resolve_adapter_path
+
+    folders = [resolve_model_path(model)]
+    if adapter is not None:
+        folders.append(resolve_adapter_path(adapter))
+    worlds = set()
+    for folder in folders:
+        record = read_json(folder / "training_record.json", missing_ok=True)
+        if not isinstance(record.get("worlds"), dict):
+            return None
+        worlds |= set(record["worlds"])
+    return worlds
+
+
+def check_segment_taught(args) -> None:
+    """Refuse `segment` where the training records show the model (and its
+    adapter) never learned it: the answer would hold no mask, yet be drawn or
+    graded as one"""
+    taught = taught_worlds(args.model, args.adapter)
+    if taught is None or "segments" in taught:
+        return
+    adapter = f" with adapter {args.adapter}" if args.adapter is not None else ""
+    raise ValueError(
+        f"{args.model}{adapter} was not taught `segment` (its training records "
+        f"list {', '.join(sorted(taught))}), so it answers no masks; add "
+        "--adapter segment, the shipped adapter that teaches it (chapter 12.1), "
+        "or an adapter trained on the segments world"
+    )
 
 
 QUANTIZE_HELP = (
@@ -135,6 +175,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         if action.default is None or action.default is False:  # none, or a flag
+            return action.help
+        if "Default:" in action.help:  # the help says it in its own words
             return action.help
         return super()._get_help_string(action)
 

@@ -34,6 +34,9 @@ LORA_DEFAULTS = {
 }
 
 
+DEFAULT_WORLDS = "shapes=0.7,ocr=0.3"  # nano's mix (chapter 11)
+
+
 def add_train_parser(commands) -> None:
     tr = command_parser(
         commands,
@@ -97,8 +100,9 @@ def add_train_parser(commands) -> None:
     )
     tr.add_argument(
         "--worlds",
-        default="shapes=0.7,ocr=0.3",
-        help="the training mix, e.g. shapes=0.7,ocr=0.3",
+        default=None,
+        help=f"the training mix, e.g. shapes=0.7,ocr=0.3; not with --data. Default: "
+        f"{DEFAULT_WORLDS}",
     )
     tr.add_argument(
         "--data",
@@ -197,8 +201,13 @@ def train_command(args: argparse.Namespace, argv) -> int:
     lora = lora_settings(args)
     if args.eval_data is not None and args.data is None:
         raise ValueError("--eval-data goes with --data (your own training examples)")
+    if args.data is not None and args.worlds is not None:
+        raise ValueError(
+            f"--worlds {args.worlds} with --data: --data trains on your examples "
+            "only, not on the worlds; leave out one of the two"
+        )
     at_least(args, steps=1, train_size=1, eval_size=1)
-    worlds = parse_worlds(args.worlds)
+    worlds = parse_worlds(args.worlds or DEFAULT_WORLDS)
     settings = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
     if args.warmup_steps is None:
         settings["warmup_steps"] = args.steps // 20
