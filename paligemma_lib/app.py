@@ -26,6 +26,7 @@ import gradio as gr
 
 from .adapters import load_adapter
 from .boxes import draw_boxes
+from .cli.options import DEFAULT_MAX_NEW_TOKENS
 from .demo import (
     EXAMPLES,
     MAX_IMAGE_BYTES,
@@ -125,7 +126,7 @@ def task_panel(adapter: str | None, segment: bool = False) -> SimpleNamespace:
                 gr.Number(0, precision=0, label="Top-k (0: all tokens)"),
                 gr.Slider(0.05, 1.0, 1.0, label="Top-p (1: all tokens)"),
                 gr.Number(0, precision=0, label="Seed"),
-                gr.Slider(1, 128, 64, step=1, label="Max tokens"),
+                gr.Slider(1, 128, DEFAULT_MAX_NEW_TOKENS, step=1, label="Max tokens"),
             ]
         run = gr.Button("Run", variant="primary", elem_id="run")
         status = gr.Markdown(elem_id="message")

@@ -504,3 +504,17 @@ def test_ctrl_c_stops_the_demo_quietly(server):
     assert process.returncode == 0, out
     assert out.rstrip().splitlines()[-1] == "demo stopped", out
     assert "error: interrupted" not in out and "KeyboardInterrupt" not in out, out
+
+
+def test_the_pages_token_limit_is_the_commands(reference):
+    "Issue 39: the page's Max tokens started at 64 where generate and evaluate use 80"
+    import gradio as gr
+
+    from paligemma_lib.app import build_app
+    from paligemma_lib.cli.options import DEFAULT_MAX_NEW_TOKENS
+
+    model, processor = reference
+    app = build_app(model, processor)
+    [slider] = [b for b in app.blocks.values() if isinstance(b, gr.Slider)
+                and b.label == "Max tokens"]  # fmt: skip
+    assert slider.value == DEFAULT_MAX_NEW_TOKENS == 80
