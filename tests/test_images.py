@@ -406,3 +406,31 @@ def test_a_picture_like_the_models_gives_no_note(tmp_path, capsys):
     scene(320, 200).save(path)
     assert main(["generate", "--image", str(path), "--prompt", "caption en"]) == 0
     assert "note: the image" not in capsys.readouterr().err
+
+
+def png16(levels: np.ndarray, color_type: int) -> bytes:
+    "A 16-bit PNG written by hand (Pillow writes none in colour): [H, W, C] uint16"
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    height, width = levels.shape[:2]
+    rows = b"".join(b"\x00" + levels[y].astype(">u2").tobytes() for y in range(height))
+    header = struct.pack(">IIBBBBB", width, height, 16, color_type, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))  # fmt: skip
+
+
+@pytest.mark.parametrize("color_type, channels", [(2, 3), (6, 4)])
+def test_a_16_bit_colour_png_loads_as_its_8_bit_levels(tmp_path, color_type, channels):
+    "Issue 39 item 9: 16-bit RGB and RGBA PNGs (opaque) load as v / 257, rounded"
+    levels = np.zeros((4, 4, channels), np.uint16)
+    levels[..., :3] = (65535, 32896, 2570)  # 255, 128, 10 times 257
+    if channels == 4:
+        levels[..., 3] = 65535
+    path = tmp_path / "sixteen.png"
+    path.write_bytes(png16(levels, color_type))
+    assert load_image(path).getpixel((0, 0)) == (255, 128, 10)
