@@ -390,9 +390,8 @@ def _resume_or_seed(
     """(the first step, the history so far): with `resume`, the newest
     checkpoint of out_dir's, whose weights and states are put back; otherwise
     step 0, Python's and torch's generators seeded with config.seed"""
-    history = {"step": [], "loss": [], "lr": [], "grad_norm": [], "eval": []}
-    history["segments"] = []  # which steps how many processes ran
-    start = 0
+    keys = ("step", "loss", "lr", "grad_norm", "eval", "segments")
+    history, start = {k: [] for k in keys}, 0
     if resume:
         folder = latest_checkpoint(out_dir) if out_dir is not None else None
         if folder is None:
@@ -474,14 +473,12 @@ def train(
     resume: continue from the newest checkpoint of out_dir.
     evaluate: evaluate(model) -> dict of numbers, every config.eval_every
         steps and at the end (process 0 only), e.g. from `make_evaluator`.
-    processor: saved into each checkpoint, so that it is a complete model
-        folder.
+    processor: saved into each checkpoint (a complete model folder).
     device: where the model trains (`autocast_dtype`: bf16, or fp16 with a
         gradient scaler, on CUDA; fp32 elsewhere).
     on_step: on_step(step, loss) after each step, e.g. to stop a run early.
-    workers: processes that build batches ahead of the loop (0: build each in
-        this process when it is needed); the batches, and so the weights, are
-        the same.
+    workers: processes building batches ahead of the loop (0: each in this
+        process when needed); the batches, so the weights, are the same.
 
     Under torchrun (`init_distributed` called) the model is wrapped in
     DistributedDataParallel, or sharded with config.fsdp (`shard_model`), and
@@ -507,9 +504,8 @@ def train(
     start, history = _resume_or_seed(
         config, out_dir, resume, dataset, model, optimizer, scheduler, scaler
     )
-    # one segment for this start or resume: its steps and process count
-    segments = history["segments"]
-    segments.append({"steps": [start, start], "processes": world_size})
+    segment = {"steps": [start, start], "processes": world_size}
+    history["segments"].append(segment)  # this start's (or resume's)
     bar = _progress_bar(config, start, progress, rank)
     begin, seen = time.perf_counter(), 0
     batches = StepBatches(dataset, collate, config, rank, world_size)
@@ -531,7 +527,7 @@ def train(
         row = (done, loss, lr, norm)
         for key, value in zip(("step", "loss", "lr", "grad_norm"), row):
             history[key].append(value)
-        segments[-1]["steps"][1] = done
+        segment["steps"][1] = done
         speed = seen / (time.perf_counter() - begin)
         bar.set_postfix(loss=f"{loss:.4f}", examples_per_s=f"{speed:.1f}")
         bar.update()

@@ -273,3 +273,19 @@ DEFAULT_MAX_NEW_TOKENS = 80
 def warning_note(message, category, filename, lineno, file=None, line=None):
     "A library warning as one `note:` line, without the source file and line"
     print(f"note: {one_line(message)}", file=sys.stderr)
+
+
+def check_out_folder(out: Path, resume: bool) -> Path:
+    "--out: a folder, holding a run's checkpoints exactly when --resume is given"
+    from ..resume import latest_checkpoint
+
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder")
+    if resume and latest_checkpoint(out) is None:
+        raise ValueError(f"--resume: {out} holds no checkpoint to continue from")
+    if not resume and latest_checkpoint(out) is not None:
+        raise ValueError(
+            f"--out {out} holds the checkpoints of a run: add --resume to continue it, "
+            "or choose another folder"
+        )
+    return out

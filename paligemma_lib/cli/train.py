@@ -20,6 +20,7 @@ from .options import (
     at_least,
     check_device,
     check_model,
+    check_out_folder,
     command_parser,
     import_data,
     parse_worlds,
@@ -212,16 +213,7 @@ def train_command(args: argparse.Namespace, argv) -> int:
     if args.warmup_steps is None:
         settings["warmup_steps"] = args.steps // 20
     config = TrainConfig(**settings)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; give a folder")
-    if args.resume and latest_checkpoint(out) is None:
-        raise ValueError(f"--resume: {out} holds no checkpoint to continue from")
-    if not args.resume and latest_checkpoint(out) is not None:
-        raise ValueError(
-            f"--out {out} holds the checkpoints of a run: add --resume to continue it, "
-            "or choose another folder"
-        )
+    out = check_out_folder(Path(args.out), args.resume)
     check_device(args.device)
     if args.model is not None:
         check_model(args.model)
