@@ -18,8 +18,9 @@ runs), time-boxed by a deadline for the whole run:
   between generating NEW_TOKENS tokens and one token (the prefill), divided by
   NEW_TOKENS - 1, so the prefill is left out. The share of the bandwidth limit: the
   bytes a step must read (the language model's weights, once per step whatever the
-  batch, plus the KV cache) over the device's memory bandwidth (`--bandwidth`,
-  3.35 TB/s for an H100 SXM), against the measured step.
+  batch, plus the KV cache) over the device's memory bandwidth (`--bandwidth`, by
+  default the data sheet's for the device's name: benchmarks/bandwidth.py),
+  against the measured step.
 - eager op count: the ATen operations one eager decoding step dispatches (those that
   run a kernel, composites decomposed, views left out: the counter of
   tests/test_decode_ops.py), ours and transformers' default (growing cache), at each
@@ -194,12 +195,15 @@ def timed(fn, device):
 
 def decode_bytes(model, config, batch_size, length, dtype):
     """Bytes one decoding step reads: the language model's weights (the tied LM head
-    once) and the keys and values of `length` positions"""
-    weights = sum(p.numel() for p in model.language_model.parameters())
+    once; int8 codes and their scales at their own sizes, as buffers) and the keys
+    and values of `length` positions"""
+    lm = model.language_model
+    tensors = [*lm.parameters(), *lm.buffers()]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
     t = config.text
     kv = 2 * t.num_hidden_layers * batch_size * t.num_key_value_heads * t.head_dim
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return itemsize * (weights + kv * length)
+    return weights + itemsize * kv * length
 
 
 def measure_decode(name, fn, device, repeats):
@@ -386,7 +390,9 @@ def main():
         action="store_true",
         help="build, count the ops of an eager step, and stop (no timing)",
     )
-    parser.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s")
+    parser.add_argument(
+        "--bandwidth", type=float, help="bytes/s (default: the device's data sheet)"
+    )
     parser.add_argument(
         "--budget", type=float, default=300, help="no decode section starts after it"
     )
@@ -404,7 +410,14 @@ def main():
     name = (
         torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
     )
+    if args.bandwidth is None:
+        from bandwidth import nominal_bandwidth
+
+        if device.type != "cuda":
+            parser.error("on a CPU, give its memory bandwidth: --bandwidth BYTES_PER_S")
+        args.bandwidth = nominal_bandwidth(name)
     results = {
+        "command": " ".join(["python", *sys.argv]),
         "device": name,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

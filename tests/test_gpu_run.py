@@ -140,3 +140,34 @@ def test_the_readme_quotes_the_h200_decoding_of_the_record():
     theirs = speed["decode transformers static compiled, batch 1"]
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"on an H200, {ours:.2f} ms against its {theirs:.2f}" in readme
+
+
+def test_the_bandwidth_limit_uses_the_devices_own_data_sheet():
+    "benchmarks/gpu.py once assumed an H100's 3.35 TB/s on an H200 (4.8)"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bandwidth import nominal_bandwidth
+
+    assert nominal_bandwidth("NVIDIA H200") == 4.8e12
+    assert nominal_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert nominal_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert nominal_bandwidth("Tesla T4") == 0.32e12
+    with pytest.raises(SystemExit, match="--bandwidth"):
+        nominal_bandwidth("NVIDIA B200")
+
+
+def test_the_speed_page_takes_each_part_from_its_newest_run(tmp_path, monkeypatch):
+    "A call with --only some parts does not hide the parts of an earlier call"
+    import speed_page
+
+    environment = {"device": "NVIDIA H200", "torch": "2.11", "transformers": "5.17",
+                   "cpus": 16}  # fmt: skip
+    older = {"branches": {"tests": {"a": "passed"}, "chapters": {"08_x": "passed"},
+                          "started": "2026-01-01T00:00", "commit": "aaa"}}  # fmt: skip
+    newer = {"speed": {"started": "2026-01-02T00:00", "commit": "bbb"}}
+    for stamp, parts in (("20260101-0000", older), ("20260102-0000", newer)):
+        record = {"environment": environment, "parts": parts}
+        (tmp_path / f"gpu-run-{stamp}.json").write_text(json.dumps(record))
+    monkeypatch.setattr(speed_page, "RESULTS", tmp_path)
+    page = speed_page.gpu_run()
+    assert "`tests/gpu`: 1 of 1 passed" in page  # from the older call
+    assert "(commit aaa)" in page and "(commit bbb)" in page

@@ -59,6 +59,44 @@ def grade_scenes(model, processor, split: str, start: int, n: int, batch_size=32
     return rows, examples, grades, summarize([ex.labels[0] for ex in examples], grades)
 
 
+def evaluate(adapter: Path, split: str, start: int, n: int, batch_size=32) -> dict:
+    """The adapter in folder `adapter` on the segments world's scenes start ..
+    start+n-1 of `split`: the record chapter 12.1 reads (every prediction with its
+    grades, the metrics, the files' hashes, where and when)"""
+    torch.manual_seed(0)
+    processor = PaliGemmaProcessor.from_pretrained("nano")
+    model = load_pretrained("nano")
+    load_adapter(model, adapter)  # in place
+    started = time.perf_counter()
+    rows, examples, grades, metrics = grade_scenes(
+        model.eval(), processor, split, start, n, batch_size
+    )
+    return {
+        "command": "python tools/evaluate_segment.py "
+        + f"--n {n} --start {start} --split {split}",
+        "commit": git_commit(),
+        "date": f"{date.today():%Y-%m-%d}",
+        "torch": torch.__version__,
+        "files": {
+            f"{path.parent.name}/{path.name}": sha256(path)
+            for folder in (adapter, shipped_mask_vae_path().parent)
+            for path in sorted(folder.iterdir())
+            if path.suffix in (".safetensors", ".npz")
+            or path.name == "adapter_config.json"
+        },
+        "split": split,
+        "indices": [start, start + n - 1],
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "seconds": round(time.perf_counter() - started, 1),
+        "metrics": metrics,
+        "rows": [
+            {"seed": ex.seed, "prompt": row["prompt"], "prediction": row["prediction"]}
+            | {"grades": g}
+            for row, ex, g in zip(rows, examples, grades)
+        ],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=300)
@@ -75,47 +113,15 @@ def main() -> int:
         args.out
         or ROOT / "benchmarks" / "results" / f"segment-test-{date.today():%Y%m%d}.json"
     )
-    torch.manual_seed(0)
-    processor = PaliGemmaProcessor.from_pretrained("nano")
-    model = load_pretrained("nano")
-    load_adapter(model, "segment")  # in place
-    model.eval()
-    started = time.perf_counter()
-    rows, examples, grades, metrics = grade_scenes(
-        model, processor, args.split, args.start, args.n, args.batch_size
-    )
     adapter = resolve_adapter_path("segment")
-    evaluation = {
-        "command": "python tools/evaluate_segment.py "
-        + f"--n {args.n} --start {args.start} --split {args.split}",
-        "commit": git_commit(),
-        "date": f"{date.today():%Y-%m-%d}",
-        "torch": torch.__version__,
-        "files": {
-            f"{path.parent.name}/{path.name}": sha256(path)
-            for folder in (adapter, shipped_mask_vae_path().parent)
-            for path in sorted(folder.iterdir())
-            if path.suffix in (".safetensors", ".npz")
-            or path.name == "adapter_config.json"
-        },
-        "split": args.split,
-        "indices": [args.start, args.start + args.n - 1],
-        "max_new_tokens": MAX_NEW_TOKENS,
-        "seconds": round(time.perf_counter() - started, 1),
-        "metrics": metrics,
-        "rows": [
-            {"seed": ex.seed, "prompt": row["prompt"], "prediction": row["prediction"]}
-            | {"grades": g}
-            for row, ex, g in zip(rows, examples, grades)
-        ],
-    }
+    evaluation = evaluate(adapter, args.split, args.start, args.n, args.batch_size)
     # the shipped adapter's record carries it (the chapter reads it anywhere)
     record_file = adapter / "training_record.json"
     record = json.loads(record_file.read_text())
     record.setdefault("evaluations", {})[f"segments/{args.split}"] = evaluation
     record_file.write_text(json.dumps(record, indent=1) + "\n")
     out.write_text(json.dumps(evaluation, indent=1) + "\n")
-    for name, value in metrics.items():
+    for name, value in evaluation["metrics"].items():
         print(f"{name:<26} {value}")
     print(f"written to {out}")
     return 0
