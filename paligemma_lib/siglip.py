@@ -35,7 +35,7 @@ def check_pixel_values(pixel_values: torch.Tensor, config: VisionConfig):
             f"image_size={config.image_size}) makes them"
         )
 
-
+# %% ../book/01_images_to_patches.ipynb #bd3982dd
 class SiglipVisionEmbeddings(nn.Module):
     """Patch embedding (a Conv2d, stride = kernel = patch_size) + position
     embeddings"""
