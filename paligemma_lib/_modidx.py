@@ -710,6 +710,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                  'paligemma_lib/siglip.py'),
                                       'paligemma_lib.siglip.SiglipVisionTransformer.forward': ( 'siglip_vision_tower.html#siglipvisiontransformer.forward',
                                                                                                 'paligemma_lib/siglip.py'),
+                                      'paligemma_lib.siglip._attend': ('attention.html#_attend', 'paligemma_lib/siglip.py'),
                                       'paligemma_lib.siglip.check_pixel_values': ( 'images_to_patches.html#check_pixel_values',
                                                                                    'paligemma_lib/siglip.py'),
                                       'paligemma_lib.siglip.explicit_attention': ( 'attention.html#explicit_attention',

@@ -94,6 +94,24 @@ def explicit_attention(
         weights = F.dropout(weights, p=dropout_p)
     return weights @ value, weights  # [B, H, S, d_h], [B, H, S, S_k]
 
+# %% ../book/02_attention.ipynb #e031298e
+def _attend(q, k, v, dropout_p, scale, output_attentions=False):
+    """[B, H, N, d_h] each -> (output [B, H, N, d_h], weights [B, H, N, N]
+    or None): the fused kernel, or `explicit_attention` when the weights
+    are asked for"""
+    if output_attentions:
+        out, weights = explicit_attention(
+            q, k, v, dropout_p=dropout_p, scale=scale
+        )
+    else:
+        out, weights = (
+            F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, scale=scale
+            ),
+            None,
+        )
+    return out, weights
+
 # %% ../book/02_attention.ipynb #c026
 class SiglipAttention(nn.Module):
     """Multi-head self-attention over all positions (no mask); the checkpoint's
@@ -123,17 +141,9 @@ class SiglipAttention(nn.Module):
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         dropout_p = self.dropout if self.training else 0.0
-        if output_attentions:
-            out, weights = explicit_attention(
-                q, k, v, dropout_p=dropout_p, scale=self.scale
-            )
-        else:
-            out, weights = (
-                F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=dropout_p, scale=self.scale
-                ),
-                None,
-            )
+        out, weights = _attend(
+            q, k, v, dropout_p, self.scale, output_attentions
+        )
         # [B, H, N, d_h] -> [B, N, D]
         out = out.transpose(1, 2).reshape(B, N, D)
         return self.out_proj(out), weights
