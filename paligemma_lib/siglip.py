@@ -227,7 +227,7 @@ class SiglipVisionOutput:
     # one [B, H, N, N] per layer, when asked for
     attentions: tuple | None = None
 
-
+# %% ../book/03_siglip_vision_tower.ipynb #1015de0e
 class SiglipVisionTransformer(nn.Module):
     "Patch embeddings -> encoder layers -> post-LayerNorm"
 
@@ -252,7 +252,7 @@ class SiglipVisionTransformer(nn.Module):
             self.post_layernorm(hidden_states), attentions
         )
 
-
+# %% ../book/03_siglip_vision_tower.ipynb #db8372c8
 class SiglipVisionModel(nn.Module):
     """The SigLIP vision tower without a head, as PaliGemma uses it; its
     parameters are named `vision_model.*`"""
