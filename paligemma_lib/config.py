@@ -17,7 +17,28 @@ def known_fields(cls, d: dict) -> dict:
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in d.items() if k in names}
 
+# %% ../book/01_images_to_patches.ipynb #12f9e26d
+def _check_vision_config(config):
+    "The errors of a VisionConfig whose sizes do not fit together"
+    if config.image_size % config.patch_size:
+        raise ValueError(
+            f"image_size {config.image_size} is not a multiple of "
+            f"patch_size {config.patch_size}: the patches would not tile "
+            "the image; choose sizes that divide exactly"
+        )
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(
+            f"hidden_size {config.hidden_size} is not divisible by "
+            f"num_attention_heads {config.num_attention_heads}; "
+            f"every head needs the same width"
+        )
+    if config.hidden_act != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"hidden_act {config.hidden_act!r}: only SigLIP's "
+            "'gelu_pytorch_tanh' is implemented"
+        )
 
+# %% ../book/01_images_to_patches.ipynb #87e1abf4
 @dataclass
 class VisionConfig:
     """SigLIP vision tower settings, named as in a PaliGemma config.json;
@@ -35,23 +56,7 @@ class VisionConfig:
     hidden_act: str = "gelu_pytorch_tanh"
 
     def __post_init__(self):
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"image_size {self.image_size} is not a multiple of "
-                f"patch_size {self.patch_size}: the patches would not tile "
-                "the image; choose sizes that divide exactly"
-            )
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by "
-                f"num_attention_heads {self.num_attention_heads}; "
-                f"every head needs the same width"
-            )
-        if self.hidden_act != "gelu_pytorch_tanh":
-            raise ValueError(
-                f"hidden_act {self.hidden_act!r}: only SigLIP's "
-                "'gelu_pytorch_tanh' is implemented"
-            )
+        _check_vision_config(self)
 
     @property
     def num_patches_per_side(self) -> int:

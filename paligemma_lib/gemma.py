@@ -86,6 +86,17 @@ def apply_rotary_pos_emb(
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
+# %% ../book/04_gemma_building_blocks.ipynb #9daf3a3c
+def _inv_freq_on(cache: dict, head_dim: int, theta: float, device):
+    """rope_inv_freq(head_dim, theta) on `device`: computed on first use and
+    kept in `cache`, a plain dict by device"""
+    inv_freq = cache.get(device)  # [d_h/2]
+    if inv_freq is None:
+        with torch.inference_mode(False):  # usable later by autograd too
+            inv_freq = rope_inv_freq(head_dim, theta, device=device)
+        cache[device] = inv_freq
+    return inv_freq
+
 # %% ../book/04_gemma_building_blocks.ipynb #c042
 class GemmaRotaryEmbedding(nn.Module):
     """cos and sin of the RoPE angles position * inv_freq, computed in float32
@@ -107,14 +118,9 @@ class GemmaRotaryEmbedding(nn.Module):
     ):
         """position_ids [B, S] (integers) -> (cos, sin), each [B, S, head_dim]
         in `dtype`"""
-        device = position_ids.device
-        inv_freq = self.inv_freq.get(device)  # [d_h/2]
-        if inv_freq is None:
-            with torch.inference_mode(False):  # usable later by autograd too
-                inv_freq = rope_inv_freq(
-                    self.head_dim, self.theta, device=device
-                )
-            self.inv_freq[device] = inv_freq
+        inv_freq = _inv_freq_on(
+            self.inv_freq, self.head_dim, self.theta, position_ids.device
+        )  # [d_h/2]
         # [B, S, d_h/2], in float32 whatever `dtype` is
         angles = position_ids.float()[..., None] * inv_freq
         # [B, S, d_h]: pair i is (i, i + d_h/2)

@@ -62,7 +62,33 @@ def too_many_pixels(path, error: Exception) -> str:
         "raise PIL.Image.MAX_IMAGE_PIXELS before loading it"
     )
 
+# %% ../book/01_images_to_patches.ipynb #bc7d30b0
+def _read_image_file(source) -> Image.Image:
+    "A path -> the decoded PIL image in it, or an error naming what is wrong"
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"no image at {path}: the file does not exist")
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder, not an image file")
+    try:
+        with Image.open(path) as opened:
+            # decode now, so a truncated file fails here, not later
+            opened.load()
+            return opened.copy()
+    except Image.DecompressionBombError as e:
+        raise ValueError(too_many_pixels(path, e)) from None
+    except UnidentifiedImageError:
+        raise ValueError(
+            f"{path} is not an image file Pillow can read "
+            f"(is it really a PNG/JPEG/...?)"
+        ) from None
+    except (OSError, SyntaxError, ValueError) as e:
+        raise ValueError(
+            f"{path} could not be decoded as an image ({e}); is the file "
+            "complete?"
+        ) from None
 
+# %% ../book/01_images_to_patches.ipynb #099911e4
 def load_image(source) -> Image.Image:
     """A path or PIL image -> a fully decoded 8-bit RGB PIL image, or a clear
     error"""
@@ -72,30 +98,7 @@ def load_image(source) -> Image.Image:
             "first and give the file's path"
         )
     if isinstance(source, (str, Path)):
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"no image at {path}: the file does not exist"
-            )
-        if path.is_dir():
-            raise IsADirectoryError(f"{path} is a folder, not an image file")
-        try:
-            with Image.open(path) as opened:
-                # decode now, so a truncated file fails here, not later
-                opened.load()
-                image = opened.copy()
-        except Image.DecompressionBombError as e:
-            raise ValueError(too_many_pixels(path, e)) from None
-        except UnidentifiedImageError:
-            raise ValueError(
-                f"{path} is not an image file Pillow can read "
-                f"(is it really a PNG/JPEG/...?)"
-            ) from None
-        except (OSError, SyntaxError, ValueError) as e:
-            raise ValueError(
-                f"{path} could not be decoded as an image ({e}); is the file "
-                "complete?"
-            ) from None
+        image = _read_image_file(source)
     elif isinstance(source, Image.Image):
         image = source
     else:
@@ -154,7 +157,7 @@ def resize_bilinear(pixels: torch.Tensor, image_size: int) -> torch.Tensor:
     # values sit at least 1 / (4 * image_size**2) away from the next integer.
     return torch.floor(resized + 1e-9).clamp(0, 255).float()
 
-
+# %% ../book/01_images_to_patches.ipynb #35eee31e
 def resize_to_square(image: Image.Image, image_size: int, resample: str):
     """An 8-bit RGB PIL image -> [3, image_size, image_size] float32 levels
     0..255"""
@@ -171,19 +174,24 @@ def resize_to_square(image: Image.Image, image_size: int, resample: str):
     )
     return resize_bilinear(pixels, image_size)
 
-
-def image_levels(images, image_size: int = 224, resample: str = "bicubic"):
-    """Image(s) (paths or PIL images) -> their 8-bit levels, resized: [B, 3,
-    image_size, image_size] uint8, 0..255 (what process_images normalises; a
-    quarter of its bytes). resample: "bicubic" (Pillow, the pixels of
-    transformers' processor) or "bilinear" (big_vision's resize, which trained
-    the checkpoints)"""
+# %% ../book/01_images_to_patches.ipynb #0c9a9db1
+def _check_resample(resample: str):
+    "An error unless `resample` names one of the two resizes"
     if resample not in RESAMPLE:
         raise ValueError(
             f"resample={resample!r} is not a resize this library knows; use "
             f"'bicubic' (Pillow, as transformers' processor) or 'bilinear' "
             f"(big_vision's resize, as the checkpoints were trained)"
         )
+
+# %% ../book/01_images_to_patches.ipynb #77b468e3
+def image_levels(images, image_size: int = 224, resample: str = "bicubic"):
+    """Image(s) (paths or PIL images) -> their 8-bit levels, resized: [B, 3,
+    image_size, image_size] uint8, 0..255 (what process_images normalises; a
+    quarter of its bytes). resample: "bicubic" (Pillow, the pixels of
+    transformers' processor) or "bilinear" (big_vision's resize, which trained
+    the checkpoints)"""
+    _check_resample(resample)
     if isinstance(images, (str, Path, Image.Image)):
         images = [images]
     images = list(images)
@@ -200,7 +208,7 @@ def image_levels(images, image_size: int = 224, resample: str = "bicubic"):
     resized = [resize_to_square(im, image_size, resample) for im in images]
     return torch.stack(resized).to(torch.uint8)  # whole levels 0..255: exact
 
-
+# %% ../book/01_images_to_patches.ipynb #045a4db1
 # (mean, std, device) -> 255, mean, std: [1, 3, 1, 1] float32
 _LEVEL_CONSTANTS = {}
 
@@ -222,7 +230,7 @@ def level_constants(mean, std, device) -> tuple[torch.Tensor, ...]:
             )
     return _LEVEL_CONSTANTS[key]
 
-
+# %% ../book/01_images_to_patches.ipynb #9ad9227c
 def normalize_levels(levels: torch.Tensor, mean=IMAGE_MEAN, std=IMAGE_STD):
     """8-bit levels [B, 3, H, W] -> float32 (levels / 255 - mean) / std, on the
     levels' device: in [-1, 1] with the default mean and std; the same bits on
@@ -239,7 +247,7 @@ def normalize_levels(levels: torch.Tensor, mean=IMAGE_MEAN, std=IMAGE_STD):
     # order
     return pixels.div_(full).sub_(mean).div_(std)
 
-
+# %% ../book/01_images_to_patches.ipynb #9763e8cf
 def process_images(
     images,
     image_size: int = 224,

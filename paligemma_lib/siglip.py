@@ -35,7 +35,7 @@ def check_pixel_values(pixel_values: torch.Tensor, config: VisionConfig):
             f"image_size={config.image_size}) makes them"
         )
 
-
+# %% ../book/01_images_to_patches.ipynb #bd3982dd
 class SiglipVisionEmbeddings(nn.Module):
     """Patch embedding (a Conv2d, stride = kernel = patch_size) + position
     embeddings"""
@@ -94,6 +94,24 @@ def explicit_attention(
         weights = F.dropout(weights, p=dropout_p)
     return weights @ value, weights  # [B, H, S, d_h], [B, H, S, S_k]
 
+# %% ../book/02_attention.ipynb #e031298e
+def _attend(q, k, v, dropout_p, scale, output_attentions=False):
+    """[B, H, N, d_h] each -> (output [B, H, N, d_h], weights [B, H, N, N]
+    or None): the fused kernel, or `explicit_attention` when the weights
+    are asked for"""
+    if output_attentions:
+        out, weights = explicit_attention(
+            q, k, v, dropout_p=dropout_p, scale=scale
+        )
+    else:
+        out, weights = (
+            F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, scale=scale
+            ),
+            None,
+        )
+    return out, weights
+
 # %% ../book/02_attention.ipynb #c026
 class SiglipAttention(nn.Module):
     """Multi-head self-attention over all positions (no mask); the checkpoint's
@@ -123,17 +141,9 @@ class SiglipAttention(nn.Module):
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         dropout_p = self.dropout if self.training else 0.0
-        if output_attentions:
-            out, weights = explicit_attention(
-                q, k, v, dropout_p=dropout_p, scale=self.scale
-            )
-        else:
-            out, weights = (
-                F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=dropout_p, scale=self.scale
-                ),
-                None,
-            )
+        out, weights = _attend(
+            q, k, v, dropout_p, self.scale, output_attentions
+        )
         # [B, H, N, d_h] -> [B, N, D]
         out = out.transpose(1, 2).reshape(B, N, D)
         return self.out_proj(out), weights
@@ -217,7 +227,7 @@ class SiglipVisionOutput:
     # one [B, H, N, N] per layer, when asked for
     attentions: tuple | None = None
 
-
+# %% ../book/03_siglip_vision_tower.ipynb #1015de0e
 class SiglipVisionTransformer(nn.Module):
     "Patch embeddings -> encoder layers -> post-LayerNorm"
 
@@ -242,7 +252,7 @@ class SiglipVisionTransformer(nn.Module):
             self.post_layernorm(hidden_states), attentions
         )
 
-
+# %% ../book/03_siglip_vision_tower.ipynb #db8372c8
 class SiglipVisionModel(nn.Module):
     """The SigLIP vision tower without a head, as PaliGemma uses it; its
     parameters are named `vision_model.*`"""
