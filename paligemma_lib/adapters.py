@@ -70,7 +70,7 @@ def peft_name(name: str) -> str:
         )
     return (OURS_TO_PEFT[prefix] + dotted[len(prefix) :]).removesuffix(".")
 
-
+# %% ../book/10_lora.ipynb #4abc2fd2
 def peft_target_modules(model: nn.Module) -> list[str] | str:
     """What adapter_config.json's target_modules should say: the config's own
     value if PEFT, matching it against transformers' names, selects the same
@@ -91,19 +91,11 @@ def peft_target_modules(model: nn.Module) -> list[str] | str:
         return config
     return sorted(peft_name(n) for n in adapted)
 
-
-def save_adapter(model: nn.Module, folder) -> Path:
-    """Write adapter_config.json and adapter_model.safetensors into `folder` as
-    PEFT does, for transformers' PaliGemmaForConditionalGeneration"""
-    if not lora_modules(model):
-        raise ValueError(
-            "the model has no LoRA adapters to save; add_lora or load_adapter "
-            "first"
-        )
+# %% ../book/10_lora.ipynb #0a74c558
+def _adapter_config(model: nn.Module) -> dict:
+    "adapter_config.json for the model's adapters, as PEFT writes it"
     cfg = model.lora_config
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {
+    return {
         "peft_type": "LORA",
         "task_type": None,
         "base_model_name_or_path": None,
@@ -119,6 +111,19 @@ def save_adapter(model: nn.Module, folder) -> Path:
         "modules_to_save": None,
         "inference_mode": True,
     }
+
+# %% ../book/10_lora.ipynb #99023b18
+def save_adapter(model: nn.Module, folder) -> Path:
+    """Write adapter_config.json and adapter_model.safetensors into `folder` as
+    PEFT does, for transformers' PaliGemmaForConditionalGeneration"""
+    if not lora_modules(model):
+        raise ValueError(
+            "the model has no LoRA adapters to save; add_lora or load_adapter "
+            "first"
+        )
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = _adapter_config(model)
     tensors = {
         PEFT_PREFIX + peft_name(name): t.detach().to("cpu").contiguous()
         for name, t in lora_state_dict(model).items()
@@ -152,23 +157,9 @@ UNSUPPORTED = {
 # the original
 CHANGES_BASE = ("pissa", "olora", "corda", "loftq")
 
-
-def lora_config_from_peft(
-    config: dict, source="adapter_config.json"
-) -> LoraConfig:
-    """A LoraConfig from PEFT's adapter_config.json; refuses what we do not
-    implement"""
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(
-            f"{source}: peft_type {config['peft_type']!r} is not LoRA"
-        )
-    for key, what in UNSUPPORTED.items():
-        if config.get(key):
-            raise ValueError(
-                f"{source} sets {key}={config[key]!r} ({what}), which "
-                "paligemma_lib.lora does not implement; load this adapter "
-                "with PEFT, or save one without it"
-            )
+# %% ../book/10_lora.ipynb #654ced9e
+def _refuse_base_changes(config: dict, source):
+    "An error if the adapter changed the base's weights or trains its biases"
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and (
         init in CHANGES_BASE or init.startswith("pissa")
@@ -188,6 +179,25 @@ def lora_config_from_peft(
             "implement; "
             f'only bias="none" loads'
         )
+
+# %% ../book/10_lora.ipynb #add419a7
+def lora_config_from_peft(
+    config: dict, source="adapter_config.json"
+) -> LoraConfig:
+    """A LoraConfig from PEFT's adapter_config.json; refuses what we do not
+    implement"""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(
+            f"{source}: peft_type {config['peft_type']!r} is not LoRA"
+        )
+    for key, what in UNSUPPORTED.items():
+        if config.get(key):
+            raise ValueError(
+                f"{source} sets {key}={config[key]!r} ({what}), which "
+                "paligemma_lib.lora does not implement; load this adapter "
+                "with PEFT, or save one without it"
+            )
+    _refuse_base_changes(config, source)
     return LoraConfig(
         r=config["r"],
         alpha=config["lora_alpha"],
@@ -224,7 +234,7 @@ def adapted_module(key: str) -> tuple[str, str]:
         )
     return name.removesuffix(part), part[1:7]
 
-
+# %% ../book/10_lora.ipynb #b3d1363f
 # name -> its folder inside the package: adapters trained in the book (chapter
 # 12)
 # receipts: chapter 12; segment: chapter 12.1
@@ -289,22 +299,11 @@ def check_adapter(name_or_path) -> tuple[Path, LoraConfig]:
     read_safetensors_header(folder / ADAPTER_WEIGHTS)
     return folder, lora_config_from_peft(config, config_file)
 
-
-def load_adapter(
-    model: nn.Module, folder, dtype: torch.dtype = torch.float32
-) -> list[str]:
-    """Add the adapter saved in `folder` (PEFT's format; by PEFT or
-    save_adapter), or the shipped adapter of that name (SHIPPED_ADAPTERS), to
-    `model`, in place: the modules its file holds weights for are wrapped and
-    loaded. The names of the wrapped modules"""
-    folder, cfg = check_adapter(folder)
-    weights_file = folder / ADAPTER_WEIGHTS
-    cfg.dtype = dtype
-    with safe_open(weights_file, framework="pt") as f:
-        tensors = {key: f.get_tensor(key) for key in f.keys()}
-    parts = {key: adapted_module(key) for key in tensors}
+# %% ../book/10_lora.ipynb #8c9800b9
+def _check_adapter_tensors(model, tensors: dict, parts: dict, cfg):
+    """An error naming the first tensor with no Linear to adapt, a tied one or
+    the wrong shape, or a module with only one of A and B"""
     names = sorted({name for name, _ in parts.values()})
-    _check_no_lora(model)
     shared = _shared(model)
     for key, (name, part) in parts.items():
         try:
@@ -349,6 +348,24 @@ def load_adapter(
             f"the adapter file has no {missing[0][1]} weight for "
             f"{missing[0][0]}; is the file complete?"
         )
+
+# %% ../book/10_lora.ipynb #db8c2171
+def load_adapter(
+    model: nn.Module, folder, dtype: torch.dtype = torch.float32
+) -> list[str]:
+    """Add the adapter saved in `folder` (PEFT's format; by PEFT or
+    save_adapter), or the shipped adapter of that name (SHIPPED_ADAPTERS), to
+    `model`, in place: the modules its file holds weights for are wrapped and
+    loaded. The names of the wrapped modules"""
+    folder, cfg = check_adapter(folder)
+    weights_file = folder / ADAPTER_WEIGHTS
+    cfg.dtype = dtype
+    with safe_open(weights_file, framework="pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    parts = {key: adapted_module(key) for key in tensors}
+    names = sorted({name for name, _ in parts.values()})
+    _check_no_lora(model)
+    _check_adapter_tensors(model, tensors, parts, cfg)
     _wrap(model, names, cfg)
     adapters = lora_modules(model)
     with torch.no_grad():

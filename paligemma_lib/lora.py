@@ -46,7 +46,34 @@ DEFAULT_TARGETS = [
 # PEFT's shorthand: every nn.Linear but the output layer (the LM head)
 ALL_LINEAR = "all-linear"
 
+# %% ../book/10_lora.ipynb #17486f5a
+def _check_lora_config(cfg):
+    "LoraConfig's argument checks; a list of target_modules is copied"
+    if isinstance(cfg.r, bool) or not isinstance(cfg.r, int) or cfg.r < 1:
+        raise ValueError(
+            f"LoraConfig(r={cfg.r!r}): the rank must be an integer of at "
+            "least 1; 8 or 16 are usual"
+        )
+    if isinstance(cfg.alpha, bool) or not cfg.alpha > 0:
+        raise ValueError(
+            f"LoraConfig(alpha={cfg.alpha!r}): the update is scaled by "
+            "alpha / r, so alpha must be a number above 0; twice r is "
+            "usual"
+        )
+    if not 0 <= cfg.dropout < 1:
+        raise ValueError(
+            f"LoraConfig(dropout={cfg.dropout!r}): it is a probability; "
+            f"use a value in [0, 1)"
+        )
+    if not isinstance(cfg.target_modules, str):
+        cfg.target_modules = list(cfg.target_modules)
+    if not cfg.target_modules:
+        raise ValueError(
+            "LoraConfig(target_modules=[]) names no module; "
+            'name the Linear layers to adapt, e.g. ["q_proj", "v_proj"]'
+        )
 
+# %% ../book/10_lora.ipynb #c6b2aa31
 @dataclass
 class LoraConfig:
     """r: the rank of the update; alpha: the update is scaled by alpha / r;
@@ -63,33 +90,7 @@ class LoraConfig:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        if (
-            isinstance(self.r, bool)
-            or not isinstance(self.r, int)
-            or self.r < 1
-        ):
-            raise ValueError(
-                f"LoraConfig(r={self.r!r}): the rank must be an integer of at "
-                "least 1; 8 or 16 are usual"
-            )
-        if isinstance(self.alpha, bool) or not self.alpha > 0:
-            raise ValueError(
-                f"LoraConfig(alpha={self.alpha!r}): the update is scaled by "
-                "alpha / r, so alpha must be a number above 0; twice r is "
-                "usual"
-            )
-        if not 0 <= self.dropout < 1:
-            raise ValueError(
-                f"LoraConfig(dropout={self.dropout!r}): it is a probability; "
-                f"use a value in [0, 1)"
-            )
-        if not isinstance(self.target_modules, str):
-            self.target_modules = list(self.target_modules)
-        if not self.target_modules:
-            raise ValueError(
-                "LoraConfig(target_modules=[]) names no module; "
-                'name the Linear layers to adapt, e.g. ["q_proj", "v_proj"]'
-            )
+        _check_lora_config(self)
 
     @property
     def scale(self) -> float:
@@ -175,7 +176,7 @@ def is_all_linear(target_modules: list[str] | str) -> bool:
         and target_modules.lower() == ALL_LINEAR
     )
 
-
+# %% ../book/10_lora.ipynb #72a3310a
 def _select(model: nn.Module, target_modules: list[str] | str) -> list[str]:
     """The names `target_modules` selects; with all-linear, every Linear but
     the LM head"""
@@ -199,6 +200,24 @@ def _shared(model: nn.Module) -> dict[int, list[str]]:
     return shared
 
 
+def _unmatched_message(model, target_modules, unmatched: list) -> str:
+    linears = {
+        n.rpartition(".")[2]
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    }
+    hint = (
+        " (a string is a regular expression that must match the whole "
+        "name, e.g. r'.*\\.q_proj'; or pass a list, e.g. ['q_proj'])"
+        if isinstance(target_modules, str)
+        else ""
+    )
+    return (
+        f"target_modules entry {unmatched[0]!r} matches no module of the "
+        f"model{hint}; its Linear layers are named {sorted(linears)}"
+    )
+
+
 def _refuse_tied(
     model: nn.Module, name: str, shared: dict, what: str, remedy: str
 ):
@@ -211,7 +230,7 @@ def _refuse_tied(
             f"adapter there would change both: {remedy}"
         )
 
-
+# %% ../book/10_lora.ipynb #9d0a1e34
 def find_targets(
     model: nn.Module, target_modules: list[str] | str
 ) -> list[str]:
@@ -228,21 +247,7 @@ def find_targets(
             if not any(matches([e], n) for n in found)
         ]
     if unmatched:
-        linears = {
-            n.rpartition(".")[2]
-            for n, m in model.named_modules()
-            if isinstance(m, nn.Linear)
-        }
-        hint = (
-            " (a string is a regular expression that must match the whole "
-            "name, e.g. r'.*\\.q_proj'; or pass a list, e.g. ['q_proj'])"
-            if isinstance(target_modules, str)
-            else ""
-        )
-        raise ValueError(
-            f"target_modules entry {unmatched[0]!r} matches no module of the "
-            f"model{hint}; its Linear layers are named {sorted(linears)}"
-        )
+        raise ValueError(_unmatched_message(model, target_modules, unmatched))
     shared = _shared(model)
     for name in found:
         module = model.get_submodule(name)
@@ -273,7 +278,7 @@ def _check_no_lora(model: nn.Module):
             "merge_lora(model) first, or start from the base model"
         )
 
-
+# %% ../book/10_lora.ipynb #ee6ec157
 def _wrap(model: nn.Module, names: list[str], cfg: LoraConfig):
     "Freeze every parameter, then wrap each named Linear in a LoraLinear"
     _check_no_lora(model)
@@ -297,7 +302,7 @@ def add_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     _wrap(model, names, cfg)
     return names
 
-
+# %% ../book/10_lora.ipynb #93a536e6
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     "(trainable, total) parameters; a tied weight counts once"
     params = list(model.parameters())
@@ -306,32 +311,14 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     )
 
 # %% ../book/10_lora.ipynb #9122120b
-def finetune_memory(
-    config,
-    lora: LoraConfig | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    batch: int = 2,
-    seq: int = 300,
-    checkpointing: bool = True,
-) -> dict[str, int]:
-    """Bytes a fine-tuning step of a PaliGemmaConfig holds at its peak, by
-    term: the base weights in `dtype` (bf16 on Ampere and later GPUs; fp16 or
-    fp32 on a T4), the trainable parameters' fp32 copy, gradients and AdamW
-    state (LoRA: the adapters; full: every weight, with an fp32 master copy
-    when `dtype` is 16-bit), the activations autograd saves (one layer of each
-    kind measured on the meta device), and the fp32 gradient of the logits,
-    alive in backward next to the saved logits. `seq` tokens per example,
-    `batch` examples; a LoRA model's vision tower and decoder layers get
-    `lora`'s adapters as add_lora gives them."""
+def _measured_activations(config, lora, dtype, batch: int, seq: int):
+    """On meta: the model (with `lora`'s adapters) and the bytes autograd saves
+    in one text layer, one vision layer, and the LM head with its loss"""
     from paligemma_lib.paligemma import (
         PaliGemmaForConditionalGeneration,
         next_token_loss,
     )
 
-    size, name = (
-        torch.finfo(dtype).bits // 8,
-        str(dtype).removeprefix("torch."),
-    )
     text, vision = config.text, config.vision
     n_image = (vision.image_size // vision.patch_size) ** 2
     with torch.device("meta"):
@@ -352,10 +339,6 @@ def finetune_memory(
         mask = torch.zeros(batch, 1, seq, seq, dtype=dtype)
         labels = torch.randint(0, text.vocab_size, (batch, seq))
         head = model.language_model.lm_head
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    n_frozen = sum(p.numel() for p in frozen)
-    n_train = sum(p.numel() for p in trainable)
     weights = list(model.parameters())
     per_layer = {
         "text": saved_activation_bytes(
@@ -366,17 +349,17 @@ def finetune_memory(
             lambda h: next_token_loss(head(h), labels), (h,), weights
         ),
     }
-    L_text, L_vision = text.num_hidden_layers, vision.num_hidden_layers
-    # each layer's input kept; one layer's inside while recomputed
-    if checkpointing:
-        layers = size * batch * (
-            L_text * seq * text.hidden_size
-            + L_vision * n_image * vision.hidden_size
-        ) + max(per_layer["text"], per_layer["vision"])
-    else:
-        layers = L_text * per_layer["text"] + L_vision * per_layer["vision"]
+    return model, per_layer
+
+
+def _parameter_terms(model, size: int, name: str, lora: bool) -> dict:
+    "Bytes of the weights, gradients, master copy and AdamW state, by term"
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n_frozen = sum(p.numel() for p in frozen)
+    n_train = sum(p.numel() for p in trainable)
     train_size = torch.finfo(trainable[0].dtype).bits // 8
-    if lora is not None:
+    if lora:
         terms = {
             f"frozen weights ({name})": size * n_frozen,
             "adapter weights": train_size * n_train,
@@ -390,6 +373,43 @@ def finetune_memory(
         if size < 4:
             terms["fp32 master weights"] = 4 * n_train
     terms["AdamW moments and steps"] = 8 * n_train + 4 * len(trainable)
+    return terms
+
+# %% ../book/10_lora.ipynb #fbba7809
+def finetune_memory(
+    config,
+    lora: LoraConfig | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    batch: int = 2,
+    seq: int = 300,
+    checkpointing: bool = True,
+) -> dict[str, int]:
+    """Bytes a fine-tuning step of a PaliGemmaConfig holds at its peak, by
+    term: the base weights in `dtype` (bf16 on Ampere and later GPUs; fp16 or
+    fp32 on a T4), the trainable parameters' fp32 copy, gradients and AdamW
+    state (LoRA: the adapters; full: every weight, with an fp32 master copy
+    when `dtype` is 16-bit), the activations autograd saves (one layer of each
+    kind measured on the meta device), and the fp32 gradient of the logits,
+    alive in backward next to the saved logits. `seq` tokens per example,
+    `batch` examples; a LoRA model's vision tower and decoder layers get
+    `lora`'s adapters as add_lora gives them."""
+    size, name = (
+        torch.finfo(dtype).bits // 8,
+        str(dtype).removeprefix("torch."),
+    )
+    text, vision = config.text, config.vision
+    n_image = (vision.image_size // vision.patch_size) ** 2
+    model, per_layer = _measured_activations(config, lora, dtype, batch, seq)
+    L_text, L_vision = text.num_hidden_layers, vision.num_hidden_layers
+    # each layer's input kept; one layer's inside while recomputed
+    if checkpointing:
+        layers = size * batch * (
+            L_text * seq * text.hidden_size
+            + L_vision * n_image * vision.hidden_size
+        ) + max(per_layer["text"], per_layer["vision"])
+    else:
+        layers = L_text * per_layer["text"] + L_vision * per_layer["vision"]
+    terms = _parameter_terms(model, size, name, lora is not None)
     terms["activations" + (" (checkpointing)" if checkpointing else "")] = (
         layers
     )
@@ -418,7 +438,7 @@ def merge_lora(model: nn.Module) -> dict[str, LoraLinear]:
     model.merged_lora = adapters
     return adapters
 
-
+# %% ../book/10_lora.ipynb #abc0eb13
 @torch.no_grad()
 def unmerge_lora(model: nn.Module) -> dict[str, LoraLinear]:
     """Undo merge_lora: subtract each adapter's update and wrap again. The

@@ -92,7 +92,7 @@ def _complete(snapshot: Path) -> bool:
     names = ("config.json", "tokenizer.model")
     return all((snapshot / name).is_file() for name in names)
 
-
+# %% ../book/09_loading_real_weights.ipynb #ba2e2348
 def cached_snapshots(
     cache: Path, pattern: str = "models--google--paligemma-3b-*"
 ):

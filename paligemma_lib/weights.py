@@ -45,7 +45,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as asked: the message names the file
     or tensor"""
 
-
+# %% ../book/09_loading_real_weights.ipynb #bbb90020
 def read_safetensors_header(path) -> dict:
     """The JSON header of a .safetensors file: tensor name -> {'dtype',
     'shape', 'data_offsets'} (and '__metadata__')"""
@@ -74,8 +74,7 @@ def read_safetensors_header(path) -> dict:
     if promised > file_size:
         raise CheckpointError(
             f"{path} is truncated: its header promises {promised} bytes, "
-            f"the file has {file_size}; "
-            f"is the download complete?"
+            f"the file has {file_size}; is the download complete?"
         )
     if promised < file_size:
         raise CheckpointError(
@@ -109,7 +108,7 @@ EMBEDDING = "language_model.model.embed_tokens.weight"
 # tied: the embedding table itself, often absent from files
 LM_HEAD = "language_model.lm_head.weight"
 
-
+# %% ../book/09_loading_real_weights.ipynb #3c725659
 def our_name(key: str) -> str | None:
     """A tensor name in any spelling of KEY_MAP -> our parameter name; None if
     unknown"""
@@ -145,12 +144,7 @@ def _weight_map(index: Path) -> dict:
     return weight_map
 
 
-def checkpoint_files(folder) -> list[Path]:
-    """The safetensors files of a folder (or of a shipped model's name,
-    "nano"): model.safetensors, or its index's shards"""
-    name = str(folder)
-    # a missing folder: an error naming "nano"
-    folder = resolve_model_path(folder)
+def _check_folder(folder: Path, name: str):
     if not folder.is_dir():
         raise NotADirectoryError(
             f"{folder} is a file; pass the checkpoint folder "
@@ -168,12 +162,34 @@ def checkpoint_files(folder) -> list[Path]:
                 else ""
             )
         )
+
+
+def _refuse_pickles(folder: Path):
+    pickles = sorted(
+        p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")
+    )
+    if pickles:
+        raise CheckpointError(
+            f"{folder} holds {pickles[0]}, a pickle checkpoint; only "
+            "safetensors are loaded (unpickling runs code from the file). "
+            "Convert it once with transformers: "
+            "PaliGemmaForConditionalGeneration.from_pretrained(folder)"
+            ".save_pretrained(new_folder) writes model.safetensors"
+        )
+
+# %% ../book/09_loading_real_weights.ipynb #04fe52aa
+def checkpoint_files(folder) -> list[Path]:
+    """The safetensors files of a folder (or of a shipped model's name,
+    "nano"): model.safetensors, or its index's shards"""
+    name = str(folder)
+    # a missing folder: an error naming "nano"
+    folder = resolve_model_path(folder)
+    _check_folder(folder, name)
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
     if single.is_file() and index.is_file():
         raise CheckpointError(
             f"{folder} holds both {SINGLE_FILE} and {INDEX_FILE}, "
-            f"two checkpoints in one folder; "
-            f"remove the one that is stale"
+            f"two checkpoints in one folder; remove the one that is stale"
         )
     if single.is_file():
         return [single]
@@ -187,17 +203,7 @@ def checkpoint_files(folder) -> list[Path]:
                 f"{missing[:1] or 'none listed'}); is the download complete?"
             )
         return [folder / s for s in shards]
-    pickles = sorted(
-        p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")
-    )
-    if pickles:
-        raise CheckpointError(
-            f"{folder} holds {pickles[0]}, a pickle checkpoint; only "
-            "safetensors are loaded (unpickling runs code from the file). "
-            "Convert it once with transformers: "
-            "PaliGemmaForConditionalGeneration.from_pretrained(folder)"
-            ".save_pretrained(new_folder) writes model.safetensors"
-        )
+    _refuse_pickles(folder)
     raise CheckpointError(
         f"{folder} has a config.json but no {SINGLE_FILE} or {INDEX_FILE}; "
         f"is the download complete?"
@@ -230,15 +236,10 @@ def stored_tensors(files: list[Path]) -> dict:
         )
     return stored
 
-
+# %% ../book/09_loading_real_weights.ipynb #037127a0
 def _layer_count(names, stack: str) -> int:
-    return len(
-        {
-            m.group(1)
-            for n in names
-            if (m := re.match(re.escape(stack) + r"(\d+)\.", n))
-        }
-    )
+    pattern = re.escape(stack) + r"(\d+)\."
+    return len({m.group(1) for n in names if (m := re.match(pattern, n))})
 
 
 def _missing_message(name: str, stored: dict, config: PaliGemmaConfig) -> str:
@@ -259,13 +260,12 @@ def _missing_message(name: str, stored: dict, config: PaliGemmaConfig) -> str:
         "download complete?"
     )
 
-
+# %% ../book/09_loading_real_weights.ipynb #49cc817c
 def check_tensors(stored: dict, model: PaliGemmaForConditionalGeneration):
     """Raise a CheckpointError naming the first missing, unexpected or
     misshapen tensor"""
-    expected = {
-        name: tuple(p.shape) for name, p in model.named_parameters()
-    }  # the tied LM head appears once
+    # the tied LM head appears once
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     missing = [name for name in expected if name not in stored]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -287,8 +287,7 @@ def check_tensors(stored: dict, model: PaliGemmaForConditionalGeneration):
         if shape != expected[name]:
             raise CheckpointError(
                 f"tensor {key} in {file.name} has shape {list(shape)}, "
-                f"but config.json implies "
-                f"{list(expected[name])} for {name}; "
+                f"but config.json implies {list(expected[name])} for {name}; "
                 f"do config.json and the weights belong together?"
             )
 
@@ -330,7 +329,7 @@ def resolve_dtype(dtype, stored_dtype: str, device=None) -> torch.dtype:
         )
     return dtype
 
-
+# %% ../book/09_loading_real_weights.ipynb #f83fec3c
 def resolve_device(device) -> torch.device:
     """None -> cpu; 'auto' -> `pick_device`'s (cuda if available, else cpu;
     cpu:0 while the CPU rehearses a T4, chapter 8); else as torch.device reads
@@ -378,16 +377,15 @@ def skip_pooling_head(stored: dict, hf_config: dict) -> dict:
     )
     return {name: v for name, v in stored.items() if name not in head}
 
-
+# %% ../book/09_loading_real_weights.ipynb #660c4edf
 def check_tied_head(head: tuple, embedding: tuple):
     """A stored LM head (file, key, shape, dtype) must equal the embedding
     table; both are compared as the files store them"""
 
     def as_stored(file, key, *_):
         with safe_open(file, framework="pt") as f:
-            return f.get_tensor(
-                key
-            )  # on the CPU a view of the memory-mapped file, no copy
+            # on the CPU a view of the memory-mapped file, no copy
+            return f.get_tensor(key)
 
     if head[3] != embedding[3] or not torch.equal(
         as_stored(*head), as_stored(*embedding)
@@ -398,7 +396,7 @@ def check_tied_head(head: tuple, embedding: tuple):
             "separate LM head"
         )
 
-
+# %% ../book/09_loading_real_weights.ipynb #aef52c7d
 def read_tensors(
     stored: dict,
     dtype: torch.dtype,
@@ -428,10 +426,21 @@ def read_tensors(
             bar.update(file.stat().st_size)
     return state
 
-
+# %% ../book/09_loading_real_weights.ipynb #479e336d
 QUANTIZE = (None, "int8")  # load_pretrained's choices
 
 
+def _read_config(path) -> tuple[dict, PaliGemmaConfig]:
+    hf_config = read_checkpoint_json(Path(path) / "config.json")
+    try:
+        return hf_config, PaliGemmaConfig.from_hf(hf_config)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(
+            f"{Path(path) / 'config.json'} does not describe a PaliGemma "
+            f"this library builds: {e}"
+        ) from None
+
+# %% ../book/09_loading_real_weights.ipynb #b883af88
 def load_pretrained(
     path, dtype=None, device=None, progress: bool | None = None, quantize=None
 ) -> PaliGemmaForConditionalGeneration:
@@ -449,14 +458,7 @@ def load_pretrained(
         )
     path = resolve_model_path(path)
     files = checkpoint_files(path)
-    hf_config = read_checkpoint_json(Path(path) / "config.json")
-    try:
-        config = PaliGemmaConfig.from_hf(hf_config)
-    except (ValueError, TypeError, AttributeError) as e:
-        raise CheckpointError(
-            f"{Path(path) / 'config.json'} does not describe a PaliGemma "
-            f"this library builds: {e}"
-        ) from None
+    hf_config, config = _read_config(path)
     with torch.device("meta"):
         model = PaliGemmaForConditionalGeneration(config)
     stored = skip_pooling_head(stored_tensors(files), hf_config)
@@ -492,17 +494,8 @@ def write_safetensors(
     os.chmod(path, 0o666 & ~umask)
     return path
 
-# %% ../book/09_loading_real_weights.ipynb #c040
-def save_pretrained(
-    model: PaliGemmaForConditionalGeneration, folder, processor=None
-) -> Path:
-    """Write config.json and model.safetensors (Hub key names, tied LM head
-    once) into `folder`, as transformers reads them; with `processor`, its
-    tokenizer and image settings too, so that the folder is complete for
-    `python -m paligemma_lib`. Everything is written into a temporary folder
-    first, then moved in: a failure leaves the folder as it was. Other files in
-    `folder` are kept."""
-    folder = Path(folder)
+# %% ../book/09_loading_real_weights.ipynb #dd5ffabb
+def _check_save(model: PaliGemmaForConditionalGeneration, folder: Path):
     int8 = [n for n, b in model.named_buffers() if n.endswith("weight_int8")]
     # save_pretrained writes parameters: the int8 buffers would be lost
     if int8:
@@ -517,10 +510,23 @@ def save_pretrained(
         )
     if (folder / INDEX_FILE).exists():
         raise CheckpointError(
-            f"{folder} holds a sharded checkpoint ({INDEX_FILE}); "
-            f"a {SINGLE_FILE} beside it would "
-            f"make the folder ambiguous: save into another folder"
+            f"{folder} holds a sharded checkpoint ({INDEX_FILE}); a "
+            f"{SINGLE_FILE} beside it would make the folder ambiguous: save "
+            "into another folder"
         )
+
+# %% ../book/09_loading_real_weights.ipynb #c040
+def save_pretrained(
+    model: PaliGemmaForConditionalGeneration, folder, processor=None
+) -> Path:
+    """Write config.json and model.safetensors (Hub key names, tied LM head
+    once) into `folder`, as transformers reads them; with `processor`, its
+    tokenizer and image settings too, so that the folder is complete for
+    `python -m paligemma_lib`. Everything is written into a temporary folder
+    first, then moved in: a failure leaves the folder as it was. Other files in
+    `folder` are kept."""
+    folder = Path(folder)
+    _check_save(model, folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # next to the target: the same file system, so moving a file in is a rename
     staging = folder.parent / f".{folder.name}.saving-{secrets.token_hex(4)}"
@@ -546,7 +552,7 @@ def save_pretrained(
         shutil.rmtree(staging, ignore_errors=True)
     return folder
 
-
+# %% ../book/09_loading_real_weights.ipynb #fee0906e
 def _move_in(staging: Path, folder: Path):
     """Move every file of `staging` into `folder` by renames, the old versions
     set aside first and put back if a rename fails"""
