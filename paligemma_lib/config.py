@@ -72,6 +72,51 @@ class VisionConfig:
     def to_hf(self) -> dict:
         return {"model_type": "siglip_vision_model", **asdict(self)}
 
+# %% ../book/05_gemma_decoder.ipynb #31ca43d1
+def _check_text_config(config):
+    """Refuse sizes below 1, heads that do not divide, an odd head_dim and
+    other activations; normalise the legacy name 'gelu'"""
+    sizes = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ]
+    for name in sizes + ["num_hidden_layers"]:
+        value = getattr(config, name)
+        smallest = 0 if name == "num_hidden_layers" else 1
+        if not isinstance(value, int) or value < smallest:
+            raise ValueError(
+                f"{name}={value!r}: it must be an integer of at least "
+                f"{smallest}"
+            )
+    H, K = config.num_attention_heads, config.num_key_value_heads
+    if H % K:
+        divisors = [n for n in range(1, H + 1) if H % n == 0]
+        raise ValueError(
+            f"num_attention_heads {H} is not divisible by "
+            f"num_key_value_heads {K}: every key/value head serves the "
+            "same number of query heads; choose num_key_value_heads "
+            f"among {divisors}"
+        )
+    if config.head_dim % 2:
+        raise ValueError(
+            f"head_dim {config.head_dim} is odd: RoPE rotates pairs of "
+            "dimensions, so head_dim must be even"
+        )
+    # "gelu" is the legacy name in Gemma's config files; it meant the tanh
+    # GELU.
+    if config.hidden_act == "gelu":
+        config.hidden_act = "gelu_pytorch_tanh"
+    if config.hidden_act != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"hidden_act {config.hidden_act!r}: only Gemma's "
+            "'gelu_pytorch_tanh' is implemented"
+        )
+
 # %% ../book/05_gemma_decoder.ipynb #c006
 @dataclass
 class TextConfig:
@@ -103,46 +148,7 @@ class TextConfig:
     layer_types = None
 
     def __post_init__(self):
-        sizes = [
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ]
-        for name in sizes + ["num_hidden_layers"]:
-            value = getattr(self, name)
-            smallest = 0 if name == "num_hidden_layers" else 1
-            if not isinstance(value, int) or value < smallest:
-                raise ValueError(
-                    f"{name}={value!r}: it must be an integer of at least "
-                    f"{smallest}"
-                )
-        H, K = self.num_attention_heads, self.num_key_value_heads
-        if H % K:
-            divisors = [n for n in range(1, H + 1) if H % n == 0]
-            raise ValueError(
-                f"num_attention_heads {H} is not divisible by "
-                f"num_key_value_heads {K}: every key/value head serves the "
-                "same number of query heads; choose num_key_value_heads "
-                f"among {divisors}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(
-                f"head_dim {self.head_dim} is odd: RoPE rotates pairs of "
-                "dimensions, so head_dim must be even"
-            )
-        # "gelu" is the legacy name in Gemma's config files; it meant the tanh
-        # GELU.
-        if self.hidden_act == "gelu":
-            self.hidden_act = "gelu_pytorch_tanh"
-        if self.hidden_act != "gelu_pytorch_tanh":
-            raise ValueError(
-                f"hidden_act {self.hidden_act!r}: only Gemma's "
-                "'gelu_pytorch_tanh' is implemented"
-            )
+        _check_text_config(self)
 
     @property
     def num_key_value_groups(self) -> int:
@@ -170,7 +176,7 @@ class TextConfig:
             and self.layer_types[layer_idx] == "sliding_attention"
         )
 
-
+# %% ../book/05_gemma_decoder.ipynb #62e03b0e
 @dataclass
 class Gemma2TextConfig(TextConfig):
     """Gemma 2 decoder settings (`text_config` with model_type "gemma2"); the
@@ -236,7 +242,7 @@ def patch_to(cls):
 
     return attach
 
-
+# %% ../book/05_gemma_decoder.ipynb #e8e64f8e
 def _check_gemma_variant(d: dict):
     """Refuse text_config settings that change the architecture in ways this
     implementation does not support"""
@@ -265,7 +271,7 @@ def _check_gemma_variant(d: dict):
             "embedding table (tied)"
         )
 
-
+# %% ../book/05_gemma_decoder.ipynb #04963b1a
 @patch_to(TextConfig)
 @classmethod
 def from_hf(cls, d: dict) -> TextConfig:
@@ -283,7 +289,7 @@ def from_hf(cls, d: dict) -> TextConfig:
         values["rope_theta"] = float(rope_theta)
     return cls(**values)
 
-
+# %% ../book/05_gemma_decoder.ipynb #5698a61c
 @patch_to(TextConfig)
 def to_hf(self) -> dict:
     """A `text_config` dict that transformers' GemmaConfig reads (both the 4.x
