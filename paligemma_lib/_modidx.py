@@ -72,6 +72,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                      'paligemma_lib/config.py'),
                                       'paligemma_lib.config._check_num_image_tokens': ( 'paligemma.html#_check_num_image_tokens',
                                                                                         'paligemma_lib/config.py'),
+                                      'paligemma_lib.config._check_paligemma_config': ( 'paligemma.html#_check_paligemma_config',
+                                                                                        'paligemma_lib/config.py'),
                                       'paligemma_lib.config._check_text_config': ( 'gemma_decoder.html#_check_text_config',
                                                                                    'paligemma_lib/config.py'),
                                       'paligemma_lib.config.known_fields': ( 'images_to_patches.html#known_fields',

@@ -322,7 +322,22 @@ def _check_num_image_tokens(d: dict, vision: VisionConfig):
                 "config.json"
             )
 
+# %% ../book/07_paligemma.ipynb #6e52128f
+def _check_paligemma_config(config):
+    "The projector writes into the text width; <image> is in the vocabulary"
+    if config.projection_dim != config.text.hidden_size:
+        raise ValueError(
+            f"projection_dim {config.projection_dim} must equal the text "
+            f"model's hidden_size {config.text.hidden_size}: the projector "
+            "writes image features into the text embedding space"
+        )
+    if not 0 <= config.image_token_index < config.text.vocab_size:
+        raise ValueError(
+            f"image_token_index {config.image_token_index} is outside the "
+            f"vocabulary (size {config.text.vocab_size})"
+        )
 
+# %% ../book/07_paligemma.ipynb #29e0c254
 @dataclass
 class PaliGemmaConfig:
     """PaliGemma: a SigLIP `vision` config, a Gemma `text` config, and how they
@@ -341,61 +356,55 @@ class PaliGemmaConfig:
             self.vision if self.vision is not None else VisionConfig()
         )
         self.text = self.text if self.text is not None else TextConfig()
-        if self.projection_dim != self.text.hidden_size:
-            raise ValueError(
-                f"projection_dim {self.projection_dim} must equal the text "
-                f"model's hidden_size {self.text.hidden_size}: the projector "
-                "writes image features into the text embedding space"
-            )
-        if not 0 <= self.image_token_index < self.text.vocab_size:
-            raise ValueError(
-                f"image_token_index {self.image_token_index} is outside the "
-                f"vocabulary (size {self.text.vocab_size})"
-            )
+        _check_paligemma_config(self)
 
     @property
     def num_image_tokens(self) -> int:
         return self.vision.num_image_tokens
 
-    @classmethod
-    def from_hf(cls, d: dict) -> "PaliGemmaConfig":
-        """From a Hub config.json dict: defaults for what it omits, unused keys
-        ignored"""
-        d = dict(d)
-        # the newer spelling
-        if "image_token_id" in d and "image_token_index" not in d:
-            d["image_token_index"] = d["image_token_id"]
-        top = known_fields(
-            cls, {k: v for k, v in d.items() if k not in ("vision", "text")}
-        )
-        text = TextConfig.from_hf(
-            d.get("text_config") or {}
-        )  # "gemma" or "gemma2" (PaliGemma 2); other model types are refused
-        vision = VisionConfig.from_hf(d.get("vision_config") or {})
-        _check_num_image_tokens(d, vision)
-        top.setdefault("projection_dim", text.hidden_size)
-        return cls(vision=vision, text=text, **top)
+# %% ../book/07_paligemma.ipynb #1d55facb
+@patch_to(PaliGemmaConfig)
+@classmethod
+def from_hf(cls, d: dict) -> "PaliGemmaConfig":
+    """From a Hub config.json dict: defaults for what it omits, unused keys
+    ignored"""
+    d = dict(d)
+    # the newer spelling
+    if "image_token_id" in d and "image_token_index" not in d:
+        d["image_token_index"] = d["image_token_id"]
+    top = known_fields(
+        cls, {k: v for k, v in d.items() if k not in ("vision", "text")}
+    )
+    text = TextConfig.from_hf(
+        d.get("text_config") or {}
+    )  # "gemma" or "gemma2" (PaliGemma 2); other model types are refused
+    vision = VisionConfig.from_hf(d.get("vision_config") or {})
+    _check_num_image_tokens(d, vision)
+    top.setdefault("projection_dim", text.hidden_size)
+    return cls(vision=vision, text=text, **top)
 
-    def to_hf(self) -> dict:
-        "A config.json dict that transformers' PaliGemmaConfig reads"
-        vision = {
-            **self.vision.to_hf(),
-            "projection_dim": self.projection_dim,
-            "vision_use_head": False,
-            "num_image_tokens": self.num_image_tokens,
-        }
-        text = {**self.text.to_hf(), "num_image_tokens": self.num_image_tokens}
-        return {
-            "architectures": ["PaliGemmaForConditionalGeneration"],
-            "model_type": "paligemma",
-            "vision_config": vision,
-            "text_config": text,
-            "image_token_index": self.image_token_index,
-            "projection_dim": self.projection_dim,
-            "hidden_size": self.text.hidden_size,
-            "vocab_size": self.text.vocab_size,
-            "pad_token_id": self.pad_token_id,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "tie_word_embeddings": True,
-        }
+# %% ../book/07_paligemma.ipynb #c09d7664
+@patch_to(PaliGemmaConfig)
+def to_hf(self) -> dict:
+    "A config.json dict that transformers' PaliGemmaConfig reads"
+    vision = {
+        **self.vision.to_hf(),
+        "projection_dim": self.projection_dim,
+        "vision_use_head": False,
+        "num_image_tokens": self.num_image_tokens,
+    }
+    text = {**self.text.to_hf(), "num_image_tokens": self.num_image_tokens}
+    return {
+        "architectures": ["PaliGemmaForConditionalGeneration"],
+        "model_type": "paligemma",
+        "vision_config": vision,
+        "text_config": text,
+        "image_token_index": self.image_token_index,
+        "projection_dim": self.projection_dim,
+        "hidden_size": self.text.hidden_size,
+        "vocab_size": self.text.vocab_size,
+        "pad_token_id": self.pad_token_id,
+        "bos_token_id": self.bos_token_id,
+        "eos_token_id": self.eos_token_id,
+        "tie_word_embeddings": True,
+    }
