@@ -10,7 +10,7 @@ __all__ = ['IGNORE_INDEX', 'PaliGemmaMultiModalProjector', 'PaliGemmaOutput',
 from dataclasses import dataclass
 
 import torch
-from .config import PaliGemmaConfig, patch_to
+from .config import PaliGemmaConfig
 from .gemma import GemmaForCausalLM, additive_mask
 from .image_processing import normalize_levels
 from .siglip import SiglipVisionModel
@@ -168,7 +168,7 @@ def _check_all_logits(num_logits: int, S: int):
             "with logits_to_keep=0"
         )
 
-# %% ../book/07_paligemma.ipynb #a23d5c16
+# %% ../book/07_paligemma.ipynb #68e27cf4
 class PaliGemmaForConditionalGeneration(nn.Module):
     """SigLIP vision tower + linear projector + Gemma decoder, named as in
     checkpoints"""
@@ -191,60 +191,60 @@ class PaliGemmaForConditionalGeneration(nn.Module):
         vision_out = self.vision_tower(pixel_values).last_hidden_state
         return self.multi_modal_projector(vision_out)  # [B, N, D]
 
-# %% ../book/07_paligemma.ipynb #3bcd05a5
-@patch_to(PaliGemmaForConditionalGeneration)
-def forward(
-    self,
-    input_ids,
-    pixel_values=None,
-    attention_mask=None,
-    token_type_ids=None,
-    labels=None,
-    position_ids=None,
-    kv_cache=None,
-    logits_to_keep: int = 0,
-) -> PaliGemmaOutput:
-    """Logits of all positions (or the last `logits_to_keep`); the loss
-    given labels"""
-    B, S = input_ids.shape
-    past = kv_cache.get_seq_length() if kv_cache is not None else 0
-    if attention_mask is None:  # no padding
-        attention_mask = input_ids.new_ones(B, past + S)
-    if token_type_ids is None:  # all prefix
-        token_type_ids = torch.zeros_like(attention_mask)
-    _check_masks_cover(attention_mask, token_type_ids, B, past, S)
-    image_token_index = self.config.image_token_index
-    embeds = self.language_model.model.embed(input_ids)  # [B, S, D]
-    if pixel_values is not None:
-        features = self.get_image_features(pixel_values)  # [B, N, D]
-        embeds = merge_image_features(
-            embeds, input_ids, features, image_token_index
+    def forward(
+        self,
+        input_ids,
+        pixel_values=None,
+        attention_mask=None,
+        token_type_ids=None,
+        labels=None,
+        position_ids=None,
+        kv_cache=None,
+        logits_to_keep: int = 0,
+    ) -> PaliGemmaOutput:
+        """Logits of all positions (or the last `logits_to_keep`); the loss
+        given labels"""
+        B, S = input_ids.shape
+        past = kv_cache.get_seq_length() if kv_cache is not None else 0
+        if attention_mask is None:  # no padding
+            attention_mask = input_ids.new_ones(B, past + S)
+        if token_type_ids is None:  # all prefix
+            token_type_ids = torch.zeros_like(attention_mask)
+        _check_masks_cover(attention_mask, token_type_ids, B, past, S)
+        image_token_index = self.config.image_token_index
+        embeds = self.language_model.model.embed(input_ids)  # [B, S, D]
+        if pixel_values is not None:
+            features = self.get_image_features(pixel_values)  # [B, N, D]
+            embeds = merge_image_features(
+                embeds, input_ids, features, image_token_index
+            )
+        else:
+            _check_images_given(input_ids, image_token_index, past)
+        if position_ids is None:
+            # [B, S]
+            position_ids = position_ids_from_mask(attention_mask)[:, -S:]
+        allowed = make_prefix_lm_mask(
+            attention_mask, token_type_ids, num_queries=S
         )
-    else:
-        _check_images_given(input_ids, image_token_index, past)
-    if position_ids is None:
-        # [B, S]
-        position_ids = position_ids_from_mask(attention_mask)[:, -S:]
-    allowed = make_prefix_lm_mask(
-        attention_mask, token_type_ids, num_queries=S
-    )
-    sliding, window = None, self.config.text.sliding_window
-    if window is not None:  # Gemma 2's local layers
-        near = make_prefix_lm_mask(attention_mask, token_type_ids, S, window)
-        sliding = additive_mask(near[:, None], embeds.dtype)
-    hidden_states = self.language_model.model(
-        inputs_embeds=embeds,
-        attention_mask=additive_mask(allowed[:, None], embeds.dtype),
-        position_ids=position_ids,
-        kv_cache=kv_cache,
-        sliding_attention_mask=sliding,
-    )  # [B, S, D]; the masks are [B, 1, S, past + S]
-    # [B, S, V], or [B, logits_to_keep, V]; Gemma 2 caps them
-    logits = self.language_model.compute_logits(
-        hidden_states[:, -logits_to_keep:]
-    )
-    loss = None
-    if labels is not None:
-        _check_all_logits(logits.shape[1], S)
-        loss = next_token_loss(logits, labels)
-    return PaliGemmaOutput(logits=logits, loss=loss, kv_cache=kv_cache)
+        sliding, window = None, self.config.text.sliding_window
+        if window is not None:  # Gemma 2's local layers
+            near = make_prefix_lm_mask(
+                attention_mask, token_type_ids, S, window
+            )
+            sliding = additive_mask(near[:, None], embeds.dtype)
+        hidden_states = self.language_model.model(
+            inputs_embeds=embeds,
+            attention_mask=additive_mask(allowed[:, None], embeds.dtype),
+            position_ids=position_ids,
+            kv_cache=kv_cache,
+            sliding_attention_mask=sliding,
+        )  # [B, S, D]; the masks are [B, 1, S, past + S]
+        # [B, S, V], or [B, logits_to_keep, V]; Gemma 2 caps them
+        logits = self.language_model.compute_logits(
+            hidden_states[:, -logits_to_keep:]
+        )
+        loss = None
+        if labels is not None:
+            _check_all_logits(logits.shape[1], S)
+            loss = next_token_loss(logits, labels)
+        return PaliGemmaOutput(logits=logits, loss=loss, kv_cache=kv_cache)

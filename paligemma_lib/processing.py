@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
-from .config import patch_to
 from paligemma_lib.image_processing import (
     IMAGE_MEAN,
     IMAGE_STD,
@@ -248,6 +247,33 @@ class PaliGemmaProcessor:
         self.image_size, self.num_image_tokens = image_size, num_image_tokens
         self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
 
+    @classmethod
+    def from_pretrained(cls, folder) -> "PaliGemmaProcessor":
+        """Tokenizer and image settings from a PaliGemma checkpoint folder, or
+        from a shipped model's name ("nano"; see `resolve_model_path`)"""
+        folder = resolve_model_path(folder)
+        tokenizer = GemmaTokenizer.from_file(_tokenizer_file(folder))
+        return cls(tokenizer, **_image_settings(folder))
+
+    def save_pretrained(self, folder):
+        """tokenizer.model, tokenizer_config.json, preprocessor_config.json
+        (Hub layout)"""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save(folder / "tokenizer.model")
+        write_json(
+            folder / "tokenizer_config.json", _tokenizer_config(self.tokenizer)
+        )
+        write_json(
+            folder / "preprocessor_config.json", _preprocessor_config(self)
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"PaliGemmaProcessor(image_size={self.image_size}, "
+            f"num_image_tokens={self.num_image_tokens}, {self.tokenizer})"
+        )
+
     @property
     def image_token_id(self) -> int:
         return self.tokenizer.image_token_id
@@ -262,106 +288,79 @@ class PaliGemmaProcessor:
     def encode_suffix(self, suffix: str) -> list[int]:
         return self.tokenizer.encode(suffix, add_bos=False, add_eos=True)
 
-# %% ../book/06_tokenizer_and_processor.ipynb #8eb9c7e1
-@patch_to(PaliGemmaProcessor)
-@classmethod
-def from_pretrained(cls, folder) -> "PaliGemmaProcessor":
-    """Tokenizer and image settings from a PaliGemma checkpoint folder, or
-    from a shipped model's name ("nano"; see `resolve_model_path`)"""
-    folder = resolve_model_path(folder)
-    tokenizer = GemmaTokenizer.from_file(_tokenizer_file(folder))
-    return cls(tokenizer, **_image_settings(folder))
+    def __call__(
+        self,
+        images,
+        prompts,
+        suffixes=None,
+        padding_side: str | None = None,
+        max_length: int | None = None,
+        return_tensors: str = "pt",
+        pixels: str = "normalized",
+    ) -> PaliGemmaBatch:
+        """One sequence per (image, prompt[, suffix]), padded into a batch.
 
-
-@patch_to(PaliGemmaProcessor)
-def save_pretrained(self, folder):
-    """tokenizer.model, tokenizer_config.json, preprocessor_config.json
-    (Hub layout)"""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    self.tokenizer.save(folder / "tokenizer.model")
-    write_json(
-        folder / "tokenizer_config.json", _tokenizer_config(self.tokenizer)
-    )
-    write_json(folder / "preprocessor_config.json", _preprocessor_config(self))
-
-
-@patch_to(PaliGemmaProcessor)
-def __repr__(self) -> str:
-    return (
-        f"PaliGemmaProcessor(image_size={self.image_size}, "
-        f"num_image_tokens={self.num_image_tokens}, {self.tokenizer})"
-    )
-
-
-@patch_to(PaliGemmaProcessor)
-def decode(self, ids, skip_special_tokens: bool = True) -> str:
-    return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-# %% ../book/06_tokenizer_and_processor.ipynb #99fc242c
-@patch_to(PaliGemmaProcessor)
-def __call__(
-    self,
-    images,
-    prompts,
-    suffixes=None,
-    padding_side: str | None = None,
-    max_length: int | None = None,
-    return_tensors: str = "pt",
-    pixels: str = "normalized",
-) -> PaliGemmaBatch:
-    """One sequence per (image, prompt[, suffix]), padded into a batch.
-
-    images: an image (path or PIL image) or a list, one per prompt.
-    prompts: a string or a list of strings: the task, e.g. "caption en".
-    suffixes: for training, the answers the model should learn (a string or
-    a
-        list); they get `labels` and are padded on the right.
-    padding_side: "left" (the default without suffixes, for generation) or
-        "right" (the default with suffixes).
-    max_length: an upper bound on the sequence length; nothing is cut, a
-    longer
-        sequence is an error that says by how much.
-    return_tensors: "pt" only. pixels: "normalized" (float32 in [-1, 1]) or
-    "uint8" (the 8-bit levels, a
-        quarter of the bytes: the model normalises them, chapter 7).
-    Returns a PaliGemmaBatch: input_ids, attention_mask, token_type_ids,
-    pixel_values and labels (None without suffixes)."""
-    _check_return_tensors(return_tensors)
-    _check_pixels(pixels, self.image_mean, self.image_std)
-    prompts, images = _as_texts(prompts, "prompts"), _as_images(images)
-    suffixes = None if suffixes is None else _as_texts(suffixes, "suffixes")
-    _check_counts(images, prompts, suffixes)
-    side = _padding_side(padding_side, training=suffixes is not None)
-
-    prefixes = [self.encode_prefix(p) for p in prompts]
-    answers = [[] for _ in prompts]
-    if suffixes is not None:
-        answers = [self.encode_suffix(s) for s in suffixes]
-    if max_length is not None:
-        _check_lengths(prefixes, answers, max_length, self.num_image_tokens)
-    sequences = [p + a for p, a in zip(prefixes, answers)]
-    types = [[0] * len(p) + [1] * len(a) for p, a in zip(prefixes, answers)]
-
-    S = max(len(s) for s in sequences)
-    # [B, S]
-    input_ids = pad_sequences(sequences, self.tokenizer.pad_id, S, side)
-    token_type_ids = pad_sequences(types, 0, S, side)  # [B, S]
-    attention_mask = pad_sequences(
-        [[1] * len(s) for s in sequences], 0, S, side
-    )
-    labels = None
-    if suffixes is not None:
-        labels = input_ids.masked_fill(token_type_ids == 0, -100)  # [B, S]
-    # [B, 3, image_size, image_size]
-    pixel_values = image_levels(images, self.image_size)  # uint8
-    if pixels == "normalized":
-        pixel_values = normalize_levels(
-            pixel_values, self.image_mean, self.image_std
+        images: an image (path or PIL image) or a list, one per prompt.
+        prompts: a string or a list of strings: the task, e.g. "caption en".
+        suffixes: for training, the answers the model should learn (a string or
+        a
+            list); they get `labels` and are padded on the right.
+        padding_side: "left" (the default without suffixes, for generation) or
+            "right" (the default with suffixes).
+        max_length: an upper bound on the sequence length; nothing is cut, a
+        longer
+            sequence is an error that says by how much.
+        return_tensors: "pt" only. pixels: "normalized" (float32 in [-1, 1]) or
+        "uint8" (the 8-bit levels, a
+            quarter of the bytes: the model normalises them, chapter 7).
+        Returns a PaliGemmaBatch: input_ids, attention_mask, token_type_ids,
+        pixel_values and labels (None without suffixes)."""
+        _check_return_tensors(return_tensors)
+        _check_pixels(pixels, self.image_mean, self.image_std)
+        prompts, images = _as_texts(prompts, "prompts"), _as_images(images)
+        suffixes = (
+            None if suffixes is None else _as_texts(suffixes, "suffixes")
         )
-    return PaliGemmaBatch(
-        input_ids, attention_mask, token_type_ids, pixel_values, labels
-    )
+        _check_counts(images, prompts, suffixes)
+        side = _padding_side(padding_side, training=suffixes is not None)
+
+        prefixes = [self.encode_prefix(p) for p in prompts]
+        answers = [[] for _ in prompts]
+        if suffixes is not None:
+            answers = [self.encode_suffix(s) for s in suffixes]
+        if max_length is not None:
+            _check_lengths(
+                prefixes, answers, max_length, self.num_image_tokens
+            )
+        sequences = [p + a for p, a in zip(prefixes, answers)]
+        types = [
+            [0] * len(p) + [1] * len(a) for p, a in zip(prefixes, answers)
+        ]
+
+        S = max(len(s) for s in sequences)
+        # [B, S]
+        input_ids = pad_sequences(sequences, self.tokenizer.pad_id, S, side)
+        token_type_ids = pad_sequences(types, 0, S, side)  # [B, S]
+        attention_mask = pad_sequences(
+            [[1] * len(s) for s in sequences], 0, S, side
+        )
+        labels = None
+        if suffixes is not None:
+            labels = input_ids.masked_fill(token_type_ids == 0, -100)  # [B, S]
+        # [B, 3, image_size, image_size]
+        pixel_values = image_levels(images, self.image_size)  # uint8
+        if pixels == "normalized":
+            pixel_values = normalize_levels(
+                pixel_values, self.image_mean, self.image_std
+            )
+        return PaliGemmaBatch(
+            input_ids, attention_mask, token_type_ids, pixel_values, labels
+        )
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens
+        )
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c055p
 def _tokenizer_file(folder: Path) -> Path:

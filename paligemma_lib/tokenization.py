@@ -303,7 +303,7 @@ def piece_to_id(self, piece: str) -> int:
         raise KeyError(f"{piece!r} is not a piece of this tokenizer")
     return self.sp.piece_to_id(piece)
 
-
+# %% ../book/06_tokenizer_and_processor.ipynb #ca082058
 @patch_to(GemmaTokenizer)
 def id_to_piece(self, token_id: int) -> str:
     if token_id == self.image_token_id:
