@@ -34,7 +34,26 @@ def coordinate_to_bin(value: float, size: float) -> int:
 def bin_to_coordinate(index: int, size: float) -> float:
     return index / (NUM_LOC_BINS - 1) * size
 
+# %% ../book/06_tokenizer_and_processor.ipynb #30edc490
+def _check_box(i: int, box: list, label: str):
+    "A box is (xmin, ymin, xmax, ymax), max >= min; a label holds no ; or <"
+    if len(box) != 4:
+        raise ValueError(
+            f"box {i} is {box}; a box is (xmin, ymin, xmax, ymax) in pixels"
+        )
+    x0, y0, x1, y1 = box
+    if x1 < x0 or y1 < y0:
+        raise ValueError(
+            f"box {i} is {box}: its max is below its min; boxes are "
+            f"(xmin, ymin, xmax, ymax)"
+        )
+    if ";" in label or "<" in label:
+        raise ValueError(
+            f"label {i} {label!r} contains ';' or '<', which separate "
+            "objects and tokens"
+        )
 
+# %% ../book/06_tokenizer_and_processor.ipynb #36665847
 def boxes_to_loc_string(
     boxes_xyxy, image_width: int, image_height: int, labels
 ) -> str:
@@ -53,22 +72,8 @@ def boxes_to_loc_string(
         )
     objects = []
     for i, (box, label) in enumerate(zip(boxes, labels)):
-        if len(box) != 4:
-            raise ValueError(
-                f"box {i} is {box}; a box is (xmin, ymin, xmax, ymax) in "
-                "pixels"
-            )
+        _check_box(i, box, label)
         x0, y0, x1, y1 = box
-        if x1 < x0 or y1 < y0:
-            raise ValueError(
-                f"box {i} is {box}: its max is below its min; boxes are "
-                f"(xmin, ymin, xmax, ymax)"
-            )
-        if ";" in label or "<" in label:
-            raise ValueError(
-                f"label {i} {label!r} contains ';' or '<', which separate "
-                "objects and tokens"
-            )
         bins = [
             coordinate_to_bin(y0, image_height),
             coordinate_to_bin(x0, image_width),
@@ -81,7 +86,7 @@ def boxes_to_loc_string(
         )
     return " ; ".join(objects)
 
-
+# %% ../book/06_tokenizer_and_processor.ipynb #23f65caa
 def parse_loc_tokens(
     text: str, image_width: int, image_height: int
 ) -> list[tuple[tuple[float, float, float, float], str]]:

@@ -77,6 +77,51 @@ class VisionConfig:
     def to_hf(self) -> dict:
         return {"model_type": "siglip_vision_model", **asdict(self)}
 
+# %% ../book/05_gemma_decoder.ipynb #31ca43d1
+def _check_text_config(config):
+    """Refuse sizes below 1, heads that do not divide, an odd head_dim and
+    other activations; normalise the legacy name 'gelu'"""
+    sizes = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ]
+    for name in sizes + ["num_hidden_layers"]:
+        value = getattr(config, name)
+        smallest = 0 if name == "num_hidden_layers" else 1
+        if not isinstance(value, int) or value < smallest:
+            raise ValueError(
+                f"{name}={value!r}: it must be an integer of at least "
+                f"{smallest}"
+            )
+    H, K = config.num_attention_heads, config.num_key_value_heads
+    if H % K:
+        divisors = [n for n in range(1, H + 1) if H % n == 0]
+        raise ValueError(
+            f"num_attention_heads {H} is not divisible by "
+            f"num_key_value_heads {K}: every key/value head serves the "
+            "same number of query heads; choose num_key_value_heads "
+            f"among {divisors}"
+        )
+    if config.head_dim % 2:
+        raise ValueError(
+            f"head_dim {config.head_dim} is odd: RoPE rotates pairs of "
+            "dimensions, so head_dim must be even"
+        )
+    # "gelu" is the legacy name in Gemma's config files; it meant the tanh
+    # GELU.
+    if config.hidden_act == "gelu":
+        config.hidden_act = "gelu_pytorch_tanh"
+    if config.hidden_act != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"hidden_act {config.hidden_act!r}: only Gemma's "
+            "'gelu_pytorch_tanh' is implemented"
+        )
+
 # %% ../book/05_gemma_decoder.ipynb #c006
 @dataclass
 class TextConfig:
@@ -108,46 +153,7 @@ class TextConfig:
     layer_types = None
 
     def __post_init__(self):
-        sizes = [
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ]
-        for name in sizes + ["num_hidden_layers"]:
-            value = getattr(self, name)
-            smallest = 0 if name == "num_hidden_layers" else 1
-            if not isinstance(value, int) or value < smallest:
-                raise ValueError(
-                    f"{name}={value!r}: it must be an integer of at least "
-                    f"{smallest}"
-                )
-        H, K = self.num_attention_heads, self.num_key_value_heads
-        if H % K:
-            divisors = [n for n in range(1, H + 1) if H % n == 0]
-            raise ValueError(
-                f"num_attention_heads {H} is not divisible by "
-                f"num_key_value_heads {K}: every key/value head serves the "
-                "same number of query heads; choose num_key_value_heads "
-                f"among {divisors}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(
-                f"head_dim {self.head_dim} is odd: RoPE rotates pairs of "
-                "dimensions, so head_dim must be even"
-            )
-        # "gelu" is the legacy name in Gemma's config files; it meant the tanh
-        # GELU.
-        if self.hidden_act == "gelu":
-            self.hidden_act = "gelu_pytorch_tanh"
-        if self.hidden_act != "gelu_pytorch_tanh":
-            raise ValueError(
-                f"hidden_act {self.hidden_act!r}: only Gemma's "
-                "'gelu_pytorch_tanh' is implemented"
-            )
+        _check_text_config(self)
 
     @property
     def num_key_value_groups(self) -> int:
@@ -175,7 +181,7 @@ class TextConfig:
             and self.layer_types[layer_idx] == "sliding_attention"
         )
 
-
+# %% ../book/05_gemma_decoder.ipynb #62e03b0e
 @dataclass
 class Gemma2TextConfig(TextConfig):
     """Gemma 2 decoder settings (`text_config` with model_type "gemma2"); the
@@ -241,7 +247,7 @@ def patch_to(cls):
 
     return attach
 
-
+# %% ../book/05_gemma_decoder.ipynb #e8e64f8e
 def _check_gemma_variant(d: dict):
     """Refuse text_config settings that change the architecture in ways this
     implementation does not support"""
@@ -270,7 +276,7 @@ def _check_gemma_variant(d: dict):
             "embedding table (tied)"
         )
 
-
+# %% ../book/05_gemma_decoder.ipynb #04963b1a
 @patch_to(TextConfig)
 @classmethod
 def from_hf(cls, d: dict) -> TextConfig:
@@ -288,7 +294,7 @@ def from_hf(cls, d: dict) -> TextConfig:
         values["rope_theta"] = float(rope_theta)
     return cls(**values)
 
-
+# %% ../book/05_gemma_decoder.ipynb #5698a61c
 @patch_to(TextConfig)
 def to_hf(self) -> dict:
     """A `text_config` dict that transformers' GemmaConfig reads (both the 4.x
@@ -321,7 +327,22 @@ def _check_num_image_tokens(d: dict, vision: VisionConfig):
                 "config.json"
             )
 
+# %% ../book/07_paligemma.ipynb #6e52128f
+def _check_paligemma_config(config):
+    "The projector writes into the text width; <image> is in the vocabulary"
+    if config.projection_dim != config.text.hidden_size:
+        raise ValueError(
+            f"projection_dim {config.projection_dim} must equal the text "
+            f"model's hidden_size {config.text.hidden_size}: the projector "
+            "writes image features into the text embedding space"
+        )
+    if not 0 <= config.image_token_index < config.text.vocab_size:
+        raise ValueError(
+            f"image_token_index {config.image_token_index} is outside the "
+            f"vocabulary (size {config.text.vocab_size})"
+        )
 
+# %% ../book/07_paligemma.ipynb #29e0c254
 @dataclass
 class PaliGemmaConfig:
     """PaliGemma: a SigLIP `vision` config, a Gemma `text` config, and how they
@@ -340,61 +361,55 @@ class PaliGemmaConfig:
             self.vision if self.vision is not None else VisionConfig()
         )
         self.text = self.text if self.text is not None else TextConfig()
-        if self.projection_dim != self.text.hidden_size:
-            raise ValueError(
-                f"projection_dim {self.projection_dim} must equal the text "
-                f"model's hidden_size {self.text.hidden_size}: the projector "
-                "writes image features into the text embedding space"
-            )
-        if not 0 <= self.image_token_index < self.text.vocab_size:
-            raise ValueError(
-                f"image_token_index {self.image_token_index} is outside the "
-                f"vocabulary (size {self.text.vocab_size})"
-            )
+        _check_paligemma_config(self)
 
     @property
     def num_image_tokens(self) -> int:
         return self.vision.num_image_tokens
 
-    @classmethod
-    def from_hf(cls, d: dict) -> "PaliGemmaConfig":
-        """From a Hub config.json dict: defaults for what it omits, unused keys
-        ignored"""
-        d = dict(d)
-        # the newer spelling
-        if "image_token_id" in d and "image_token_index" not in d:
-            d["image_token_index"] = d["image_token_id"]
-        top = known_fields(
-            cls, {k: v for k, v in d.items() if k not in ("vision", "text")}
-        )
-        text = TextConfig.from_hf(
-            d.get("text_config") or {}
-        )  # "gemma" or "gemma2" (PaliGemma 2); other model types are refused
-        vision = VisionConfig.from_hf(d.get("vision_config") or {})
-        _check_num_image_tokens(d, vision)
-        top.setdefault("projection_dim", text.hidden_size)
-        return cls(vision=vision, text=text, **top)
+# %% ../book/07_paligemma.ipynb #1d55facb
+@patch_to(PaliGemmaConfig)
+@classmethod
+def from_hf(cls, d: dict) -> "PaliGemmaConfig":
+    """From a Hub config.json dict: defaults for what it omits, unused keys
+    ignored"""
+    d = dict(d)
+    # the newer spelling
+    if "image_token_id" in d and "image_token_index" not in d:
+        d["image_token_index"] = d["image_token_id"]
+    top = known_fields(
+        cls, {k: v for k, v in d.items() if k not in ("vision", "text")}
+    )
+    text = TextConfig.from_hf(
+        d.get("text_config") or {}
+    )  # "gemma" or "gemma2" (PaliGemma 2); other model types are refused
+    vision = VisionConfig.from_hf(d.get("vision_config") or {})
+    _check_num_image_tokens(d, vision)
+    top.setdefault("projection_dim", text.hidden_size)
+    return cls(vision=vision, text=text, **top)
 
-    def to_hf(self) -> dict:
-        "A config.json dict that transformers' PaliGemmaConfig reads"
-        vision = {
-            **self.vision.to_hf(),
-            "projection_dim": self.projection_dim,
-            "vision_use_head": False,
-            "num_image_tokens": self.num_image_tokens,
-        }
-        text = {**self.text.to_hf(), "num_image_tokens": self.num_image_tokens}
-        return {
-            "architectures": ["PaliGemmaForConditionalGeneration"],
-            "model_type": "paligemma",
-            "vision_config": vision,
-            "text_config": text,
-            "image_token_index": self.image_token_index,
-            "projection_dim": self.projection_dim,
-            "hidden_size": self.text.hidden_size,
-            "vocab_size": self.text.vocab_size,
-            "pad_token_id": self.pad_token_id,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "tie_word_embeddings": True,
-        }
+# %% ../book/07_paligemma.ipynb #c09d7664
+@patch_to(PaliGemmaConfig)
+def to_hf(self) -> dict:
+    "A config.json dict that transformers' PaliGemmaConfig reads"
+    vision = {
+        **self.vision.to_hf(),
+        "projection_dim": self.projection_dim,
+        "vision_use_head": False,
+        "num_image_tokens": self.num_image_tokens,
+    }
+    text = {**self.text.to_hf(), "num_image_tokens": self.num_image_tokens}
+    return {
+        "architectures": ["PaliGemmaForConditionalGeneration"],
+        "model_type": "paligemma",
+        "vision_config": vision,
+        "text_config": text,
+        "image_token_index": self.image_token_index,
+        "projection_dim": self.projection_dim,
+        "hidden_size": self.text.hidden_size,
+        "vocab_size": self.text.vocab_size,
+        "pad_token_id": self.pad_token_id,
+        "bos_token_id": self.bos_token_id,
+        "eos_token_id": self.eos_token_id,
+        "tie_word_embeddings": True,
+    }

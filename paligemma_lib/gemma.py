@@ -133,7 +133,7 @@ class GemmaRotaryEmbedding(nn.Module):
 # %% ../book/05_gemma_decoder.ipynb #c003
 from dataclasses import dataclass
 
-from .config import TextConfig
+from .config import TextConfig, patch_to
 
 # %% ../book/05_gemma_decoder.ipynb #c015
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -154,7 +154,7 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return zeros.masked_fill(~allowed, torch.finfo(dtype).min)
 
-
+# %% ../book/05_gemma_decoder.ipynb #d9312d08
 def make_causal_mask(
     attention_mask,
     query_length: int,
@@ -185,7 +185,7 @@ def make_causal_mask(
         allowed = allowed & padding  # [B, 1, S, S_kv]
     return additive_mask(allowed, dtype)
 
-
+# %% ../book/05_gemma_decoder.ipynb #a9cf7932
 def sliding_window_allowed(
     query_length: int, key_length: int, window: int, device=None
 ) -> torch.Tensor:
@@ -215,7 +215,22 @@ def softcapped_attention(q, k, v, attention_mask, scale, cap, dropout_p=0.0):
     weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)
     return weights @ v  # [B, H, S, d_h]
 
+# %% ../book/05_gemma_decoder.ipynb #72f9e1c7
+def _attend(q, k, v, attention_mask, scale, cap, dropout):
+    "[B, H, S, d_h]: the fused kernel, or Gemma 2's capped scores written out"
+    if cap is None:  # [B, H, S, d_h]
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            dropout_p=dropout,
+            scale=scale,
+        )
+    # Gemma 2: no fused kernel caps the scores
+    return softcapped_attention(q, k, v, attention_mask, scale, cap, dropout)
 
+# %% ../book/05_gemma_decoder.ipynb #55e5ea0c
 class GemmaAttention(nn.Module):
     """Multi-head attention whose H query heads share K key/value heads
     (MQA/GQA), with RoPE"""
@@ -260,23 +275,11 @@ class GemmaAttention(nn.Module):
             self.config.attention_scale,
             self.config.attn_logit_softcapping,
         )
-        if cap is None:  # [B, H, S, d_h]
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=attention_mask,
-                dropout_p=dropout,
-                scale=scale,
-            )
-        else:  # Gemma 2: no fused kernel caps the scores
-            out = softcapped_attention(
-                q, k, v, attention_mask, scale, cap, dropout
-            )
+        out = _attend(q, k, v, attention_mask, scale, cap, dropout)
         # [B, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * d_h))
 
-
+# %% ../book/05_gemma_decoder.ipynb #9706ae33
 def _check_mask_covers_keys(attention_mask, num_keys: int, layer_idx: int):
     "Raise a clear error unless the additive mask has one column per key"
     if attention_mask is not None and attention_mask.shape[-1] != num_keys:
@@ -351,7 +354,7 @@ def prepare_attention_mask(
     # -inf (or a float32 minimum in a float16 model) -> the finite minimum
     return attention_mask.to(dtype).clamp(min=torch.finfo(dtype).min)
 
-
+# %% ../book/05_gemma_decoder.ipynb #851a347a
 def _check_mask_batch(attention_mask, batch_size: int):
     "Raise a clear error unless a 2-D padding mask has one row per sequence"
     if attention_mask is not None and attention_mask.shape[0] != batch_size:
@@ -429,7 +432,7 @@ def _check_inputs_embeds(inputs_embeds: torch.Tensor, hidden_size: int, dtype):
             f"(or the model with .to({inputs_embeds.dtype}))"
         )
 
-
+# %% ../book/05_gemma_decoder.ipynb #39f07ad4
 def default_or_checked_positions(
     position_ids, batch_size: int, seq_len: int, past_length: int, device
 ) -> torch.Tensor:
@@ -470,14 +473,6 @@ class GemmaModel(nn.Module):
             config.head_dim, config.rope_theta
         )
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, S] -> embeddings [B, S, D] times sqrt(D), the factor
-        rounded to the weights' dtype"""
-        _check_token_ids(input_ids, self.config.vocab_size)
-        dtype = self.embed_tokens.weight.dtype
-        scale = torch.tensor(self.config.hidden_size**0.5, dtype=dtype)
-        return self.embed_tokens(input_ids) * scale
-
     def forward(
         self,
         input_ids=None,
@@ -513,18 +508,30 @@ class GemmaModel(nn.Module):
             )
         return self.norm(h)  # [B, S, D]
 
-    def _sliding_mask(self, mask, sliding_attention_mask, past: int):
-        "The additive mask of the local layers (None when there are none)"
-        window = self.config.sliding_window
-        if not any(layer.is_sliding for layer in self.layers):
-            return None
-        B, _, S, _ = mask.shape
-        if sliding_attention_mask is not None:
-            return prepare_attention_mask(
-                sliding_attention_mask, B, S, past, mask.dtype, mask.device
-            )
-        near = sliding_window_allowed(S, mask.shape[-1], window, mask.device)
-        return mask.masked_fill(~near, torch.finfo(mask.dtype).min)
+# %% ../book/05_gemma_decoder.ipynb #e9d240c0
+@patch_to(GemmaModel)
+def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    """Token ids [B, S] -> embeddings [B, S, D] times sqrt(D), the factor
+    rounded to the weights' dtype"""
+    _check_token_ids(input_ids, self.config.vocab_size)
+    dtype = self.embed_tokens.weight.dtype
+    scale = torch.tensor(self.config.hidden_size**0.5, dtype=dtype)
+    return self.embed_tokens(input_ids) * scale
+
+# %% ../book/05_gemma_decoder.ipynb #7851410d
+@patch_to(GemmaModel)
+def _sliding_mask(self, mask, sliding_attention_mask, past: int):
+    "The additive mask of the local layers (None when there are none)"
+    window = self.config.sliding_window
+    if not any(layer.is_sliding for layer in self.layers):
+        return None
+    B, _, S, _ = mask.shape
+    if sliding_attention_mask is not None:
+        return prepare_attention_mask(
+            sliding_attention_mask, B, S, past, mask.dtype, mask.device
+        )
+    near = sliding_window_allowed(S, mask.shape[-1], window, mask.device)
+    return mask.masked_fill(~near, torch.finfo(mask.dtype).min)
 
 # %% ../book/05_gemma_decoder.ipynb #c038
 @dataclass
@@ -535,7 +542,7 @@ class CausalLMOutput:
     logits: torch.Tensor
     kv_cache: object = None
 
-
+# %% ../book/05_gemma_decoder.ipynb #bdecf4f5
 class GemmaForCausalLM(nn.Module):
     """GemmaModel plus the LM head, which is the embedding table (tied: one
     Parameter)"""
@@ -556,15 +563,6 @@ class GemmaForCausalLM(nn.Module):
     def tie_weights(self):
         "Make lm_head.weight the very Parameter model.embed_tokens.weight"
         self.lm_head.weight = self.model.embed_tokens.weight
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            module.weight.normal_(0.0, self.config.initializer_range)
-        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-            module.weight[module.padding_idx].zero_()
-        if isinstance(module, GemmaRMSNorm):
-            module.weight.zero_()
 
     def forward(
         self,
@@ -587,3 +585,14 @@ class GemmaForCausalLM(nn.Module):
         logits = self.lm_head(hidden_states)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else soft_cap(logits, cap)
+
+# %% ../book/05_gemma_decoder.ipynb #94e4b644
+@patch_to(GemmaForCausalLM)
+@torch.no_grad()
+def _init_weights(self, module):
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        module.weight.normal_(0.0, self.config.initializer_range)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        module.weight[module.padding_idx].zero_()
+    if isinstance(module, GemmaRMSNorm):
+        module.weight.zero_()

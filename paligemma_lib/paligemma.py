@@ -44,7 +44,7 @@ class PaliGemmaOutput:
     loss: torch.Tensor = None
     kv_cache: object = None
 
-
+# %% ../book/07_paligemma.ipynb #ed088e8a
 def _check_image_tokens(is_image: torch.Tensor, image_features: torch.Tensor):
     "One image per row, and exactly N <image> tokens in every row of input_ids"
     (num_images, N), B = image_features.shape[:2], is_image.shape[0]
@@ -63,7 +63,7 @@ def _check_image_tokens(is_image: torch.Tensor, image_features: torch.Tensor):
             "(PaliGemmaProcessor adds them)"
         )
 
-
+# %% ../book/07_paligemma.ipynb #c09ba9c6
 def merge_image_features(
     inputs_embeds: torch.Tensor,
     input_ids: torch.Tensor,
@@ -168,7 +168,7 @@ def _check_all_logits(num_logits: int, S: int):
             "with logits_to_keep=0"
         )
 
-
+# %% ../book/07_paligemma.ipynb #68e27cf4
 class PaliGemmaForConditionalGeneration(nn.Module):
     """SigLIP vision tower + linear projector + Gemma decoder, named as in
     checkpoints"""

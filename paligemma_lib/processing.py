@@ -68,7 +68,7 @@ class PaliGemmaBatch:
             )
         return PaliGemmaBatch(**moved)
 
-
+# %% ../book/06_tokenizer_and_processor.ipynb #12fcec5d
 def pad_sequences(
     sequences: list[list[int]], pad_value: int, length: int, side: str
 ) -> torch.Tensor:
@@ -455,7 +455,7 @@ def _image_settings(folder: Path) -> dict:
         )
     return {key: next(iter(values.values())) for key, values in found.items()}
 
-
+# %% ../book/06_tokenizer_and_processor.ipynb #341868a9
 def _tokenizer_config(tok: GemmaTokenizer) -> dict:
     "tokenizer_config.json as in a Hub checkpoint"
     return {

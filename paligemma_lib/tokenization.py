@@ -16,6 +16,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 import torch
+from .config import patch_to
 
 __doc__ = """The tokenizer (chapter 6): `GemmaTokenizer` reads a Gemma
 SentencePiece `tokenizer.model`; `train_tokenizer` makes the book's small one
@@ -26,6 +27,7 @@ IMAGE_TOKEN = "<image>"
 LOC_TOKENS = tuple(f"<loc{i:04d}>" for i in range(1024))
 SEG_TOKENS = tuple(f"<seg{i:03d}>" for i in range(128))
 
+# %% ../book/06_tokenizer_and_processor.ipynb #7c879fbf
 _COLOURS = (
     "red",
     "green",
@@ -120,7 +122,7 @@ def _random_receipt(rng) -> tuple[str, str, str, str]:
     lines.append(f"TOTAL {cents / 100:.2f}")
     return store, date, f"{cents / 100:.2f}", "\n".join(lines)
 
-
+# %% ../book/06_tokenizer_and_processor.ipynb #320efb38
 def _random_example(rng) -> str:
     (c1, c2), (s1, s2), n = (
         rng.sample(_COLOURS, 2),
@@ -151,7 +153,7 @@ def _random_example(rng) -> str:
     fields = f'"store": "{store}", "date": "{date}", "total": "{total}"'
     return f"extract receipt\n{{{fields}}}"
 
-
+# %% ../book/06_tokenizer_and_processor.ipynb #81291383
 def tokenizer_corpus(num_examples: int = 2000, seed: int = 0) -> list[str]:
     "Synthetic text for the book's tokenizer: prompt, newline, answer"
     rng = random.Random(seed)
@@ -196,6 +198,32 @@ def train_tokenizer(sentences, vocab_size: int = 1792) -> bytes:
     )
     return model.getvalue()
 
+# %% ../book/06_tokenizer_and_processor.ipynb #8ca856f6
+def _load_sentencepiece(model_proto: bytes):
+    "A SentencePieceProcessor, or a clear error for bytes that are no model"
+    try:
+        return spm.SentencePieceProcessor(model_proto=model_proto)
+    except RuntimeError:
+        raise ValueError(
+            "these bytes are not a SentencePiece model (is the "
+            "tokenizer.model file complete?)"
+        ) from None
+
+
+def _check_gemma_specials(pad_id: int, eos_id: int, bos_id: int):
+    "A Gemma model has <pad>, <eos> and <bos> (an id of -1: it has none)"
+    missing = [
+        name
+        for name, i in [("pad", pad_id), ("eos", eos_id), ("bos", bos_id)]
+        if i < 0
+    ]
+    if missing:
+        raise ValueError(
+            f"the SentencePiece model defines no {' or '.join(missing)} "
+            "token; a Gemma tokenizer has <pad>, <eos> and <bos> (train "
+            "with pad_id=0, eos_id=1, bos_id=2, unk_id=3)"
+        )
+
 # %% ../book/06_tokenizer_and_processor.ipynb #c022
 class GemmaTokenizer:
     """A SentencePiece model, Gemma's conventions; special ids looked up, not
@@ -203,34 +231,14 @@ class GemmaTokenizer:
 
     def __init__(self, model_proto: bytes):
         self.model_proto = bytes(model_proto)
-        try:
-            self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
-        except RuntimeError:
-            raise ValueError(
-                "these bytes are not a SentencePiece model (is the "
-                "tokenizer.model file complete?)"
-            ) from None
+        self.sp = _load_sentencepiece(self.model_proto)
         self.pad_id, self.eos_id, self.bos_id, self.unk_id = (
             self.sp.pad_id(),
             self.sp.eos_id(),
             self.sp.bos_id(),
             self.sp.unk_id(),
         )
-        missing = [
-            name
-            for name, i in [
-                ("pad", self.pad_id),
-                ("eos", self.eos_id),
-                ("bos", self.bos_id),
-            ]
-            if i < 0
-        ]
-        if missing:
-            raise ValueError(
-                f"the SentencePiece model defines no {' or '.join(missing)} "
-                "token; a Gemma tokenizer has <pad>, <eos> and <bos> (train "
-                "with pad_id=0, eos_id=1, bos_id=2, unk_id=3)"
-            )
+        _check_gemma_specials(self.pad_id, self.eos_id, self.bos_id)
         # transformers appends `<image>` after the last piece when the model
         # lacks it (real PaliGemma files do)
         self.image_token_id = (
@@ -239,57 +247,9 @@ class GemmaTokenizer:
             else len(self.sp)
         )
 
-    @classmethod
-    def from_file(cls, path) -> "GemmaTokenizer":
-        "Load a `tokenizer.model` file, or the one in a folder"
-        path = Path(path)
-        if path.is_dir():
-            path = path / "tokenizer.model"
-        if not path.is_file():
-            raise FileNotFoundError(f"no SentencePiece model at {path}")
-        return cls(path.read_bytes())
-
-    def save(self, path):
-        Path(path).write_bytes(self.model_proto)
-
     def __len__(self) -> int:
         "The number of ids, `<image>` included"
         return max(len(self.sp), self.image_token_id + 1)
-
-    def __repr__(self) -> str:
-        return (
-            f"GemmaTokenizer({len(self)} ids: pad={self.pad_id}, "
-            f"eos={self.eos_id}, bos={self.bos_id}, unk={self.unk_id}, "
-            f"image={self.image_token_id})"
-        )
-
-    def has_piece(self, piece: str) -> bool:
-        return self.sp.piece_to_id(
-            piece
-        ) != self.unk_id or piece == self.sp.id_to_piece(self.unk_id)
-
-    def piece_to_id(self, piece: str) -> int:
-        if piece == IMAGE_TOKEN:
-            return self.image_token_id
-        if not self.has_piece(piece):
-            raise KeyError(f"{piece!r} is not a piece of this tokenizer")
-        return self.sp.piece_to_id(piece)
-
-    def id_to_piece(self, token_id: int) -> str:
-        if token_id == self.image_token_id:
-            return IMAGE_TOKEN
-        if not 0 <= token_id < len(self.sp):
-            hint = (
-                "; -100 marks ignored labels: drop those positions before "
-                "decoding"
-                if token_id == -100
-                else ""
-            )
-            raise ValueError(
-                f"token id {token_id} is outside this tokenizer's vocabulary "
-                f"(0..{len(self) - 1}){hint}"
-            )
-        return self.sp.id_to_piece(token_id)
 
     @property
     def special_ids(self) -> set[int]:
@@ -301,48 +261,113 @@ class GemmaTokenizer:
             self.image_token_id,
         }
 
-    def pieces(self, text: str) -> list[str]:
-        return self.sp.encode(text, out_type=str)
+# %% ../book/06_tokenizer_and_processor.ipynb #27bb561e
+@patch_to(GemmaTokenizer)
+@classmethod
+def from_file(cls, path) -> "GemmaTokenizer":
+    "Load a `tokenizer.model` file, or the one in a folder"
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.model"
+    if not path.is_file():
+        raise FileNotFoundError(f"no SentencePiece model at {path}")
+    return cls(path.read_bytes())
 
-    def encode(
-        self, text: str, add_bos: bool = True, add_eos: bool = False
-    ) -> list[int]:
-        """Text -> ids; `<bos>` first unless add_bos=False, `<eos>` last if
-        add_eos=True"""
-        if not isinstance(text, str):
-            raise TypeError(f"expected a str, got {type(text).__name__}")
-        return (
-            [self.bos_id] * add_bos
-            + self.sp.encode(text)
-            + [self.eos_id] * add_eos
-        )
 
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        """Ids of one sequence (list or 1-D tensor) -> text, special tokens
-        kept or not"""
-        if isinstance(ids, torch.Tensor) and ids.ndim != 1:
-            raise ValueError(
-                "decode takes one sequence, got a tensor of shape "
-                f"{list(ids.shape)}; decode each row"
-            )
-        ids = (
-            ids.tolist()
-            if isinstance(ids, torch.Tensor)
-            else [int(i) for i in ids]
+@patch_to(GemmaTokenizer)
+def save(self, path):
+    Path(path).write_bytes(self.model_proto)
+
+
+@patch_to(GemmaTokenizer)
+def __repr__(self) -> str:
+    return (
+        f"GemmaTokenizer({len(self)} ids: pad={self.pad_id}, "
+        f"eos={self.eos_id}, bos={self.bos_id}, unk={self.unk_id}, "
+        f"image={self.image_token_id})"
+    )
+
+# %% ../book/06_tokenizer_and_processor.ipynb #9a67edb5
+@patch_to(GemmaTokenizer)
+def has_piece(self, piece: str) -> bool:
+    return self.sp.piece_to_id(
+        piece
+    ) != self.unk_id or piece == self.sp.id_to_piece(self.unk_id)
+
+
+@patch_to(GemmaTokenizer)
+def piece_to_id(self, piece: str) -> int:
+    if piece == IMAGE_TOKEN:
+        return self.image_token_id
+    if not self.has_piece(piece):
+        raise KeyError(f"{piece!r} is not a piece of this tokenizer")
+    return self.sp.piece_to_id(piece)
+
+# %% ../book/06_tokenizer_and_processor.ipynb #ca082058
+@patch_to(GemmaTokenizer)
+def id_to_piece(self, token_id: int) -> str:
+    if token_id == self.image_token_id:
+        return IMAGE_TOKEN
+    if not 0 <= token_id < len(self.sp):
+        hint = (
+            "; -100 marks ignored labels: drop those positions before decoding"
+            if token_id == -100
+            else ""
         )
-        parts, run = [], []
-        for token_id in ids:
-            if token_id in self.special_ids:
-                parts.append(self.sp.decode(run))
-                run = []
-                if not skip_special_tokens:
-                    parts.append(self.id_to_piece(token_id))
-            else:
-                self.id_to_piece(
-                    token_id
-                )  # a clear error for an id outside the vocabulary
-                run.append(token_id)
-        return "".join(parts) + self.sp.decode(run)
+        raise ValueError(
+            f"token id {token_id} is outside this tokenizer's vocabulary "
+            f"(0..{len(self) - 1}){hint}"
+        )
+    return self.sp.id_to_piece(token_id)
+
+# %% ../book/06_tokenizer_and_processor.ipynb #3aeaa7c7
+@patch_to(GemmaTokenizer)
+def pieces(self, text: str) -> list[str]:
+    return self.sp.encode(text, out_type=str)
+
+
+@patch_to(GemmaTokenizer)
+def encode(
+    self, text: str, add_bos: bool = True, add_eos: bool = False
+) -> list[int]:
+    """Text -> ids; `<bos>` first unless add_bos=False, `<eos>` last if
+    add_eos=True"""
+    if not isinstance(text, str):
+        raise TypeError(f"expected a str, got {type(text).__name__}")
+    return (
+        [self.bos_id] * add_bos
+        + self.sp.encode(text)
+        + [self.eos_id] * add_eos
+    )
+
+# %% ../book/06_tokenizer_and_processor.ipynb #2ead40e7
+@patch_to(GemmaTokenizer)
+def decode(self, ids, skip_special_tokens: bool = False) -> str:
+    """Ids of one sequence (list or 1-D tensor) -> text, special tokens
+    kept or not"""
+    if isinstance(ids, torch.Tensor) and ids.ndim != 1:
+        raise ValueError(
+            "decode takes one sequence, got a tensor of shape "
+            f"{list(ids.shape)}; decode each row"
+        )
+    ids = (
+        ids.tolist()
+        if isinstance(ids, torch.Tensor)
+        else [int(i) for i in ids]
+    )
+    parts, run = [], []
+    for token_id in ids:
+        if token_id in self.special_ids:
+            parts.append(self.sp.decode(run))
+            run = []
+            if not skip_special_tokens:
+                parts.append(self.id_to_piece(token_id))
+        else:
+            self.id_to_piece(
+                token_id
+            )  # a clear error for an id outside the vocabulary
+            run.append(token_id)
+    return "".join(parts) + self.sp.decode(run)
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c029
 def default_tokenizer_path() -> Path:
