@@ -93,11 +93,12 @@ PAGE_WIDTH = "() => document.documentElement.scrollWidth"
 # its hyphen, as prose does; a number such as -0.5 or 2024-03-15 may not)
 BROKEN_WORDS = """() => {
     const broken = [];
+    const words = /\\S+?((?<=[A-Za-z])-(?=\\S)|$|(?=\\s))/g;
     for (const cell of document.querySelectorAll('article td, article th')) {
         if (cell.getClientRects().length === 0) continue;
         const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
         for (let node = walker.nextNode(); node; node = walker.nextNode()) {
-            for (const match of node.data.matchAll(/\\S+?((?<=[A-Za-z])-(?=\\S)|$|(?=\\s))/g)) {
+            for (const match of node.data.matchAll(words)) {
                 if (!match[0]) continue;
                 const range = document.createRange();
                 range.setStart(node, match.index);
