@@ -200,4 +200,9 @@ def test_menu_on_a_phone(browser):
     chapter.click()
     page.wait_for_url("**/08_kv_cache_and_generation.html")
     assert page.locator("article h1").first.is_visible()
+    # and the page's own contents, behind the button at the right
+    page.locator(".bd-header-article .secondary-toggle").click()
+    contents = page.locator("#pst-secondary-sidebar-modal")
+    contents.wait_for(state="visible", timeout=2000)
+    assert contents.locator("a").first.is_visible(), "the page's contents are empty"
     page.close()
