@@ -445,7 +445,9 @@ def gpu_run() -> str:
     )
     calls = sorted({(p["started"][:16].replace("T", " "), p["commit"])
                     for p in parts.values()})  # fmt: skip
-    when = "; ".join(f"{day} UTC" for day in sorted({day for day, _ in calls}))
+    # each call's commit: tests/test_gpu_run.py checks with it that every part
+    # comes from its own newest call
+    when = "; ".join(f"{day} UTC (commit {commit})" for day, commit in calls)
     names = ", ".join(f"`benchmarks/results/{name}`" for name in sorted(paths))
     sections = ["## The GPU script's newest run", (
         f"`tools/gpu_run.py` on {machine}, {env['cpus']} CPU cores, run on "
