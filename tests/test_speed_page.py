@@ -62,3 +62,22 @@ def test_the_int8_figures_say_at_which_widths_they_hold():
         assert {row["config"] for row in rows} == {speed_page.MID}
     assert speed_page.MID in section and "the decoder 512 wide" in section
     assert "at PaliGemma's (2048 wide, MLP 16,384) they are unmeasured" in section
+
+
+def test_the_page_shows_the_decoding_chart_and_no_maintainer_notes():
+    "Issue 42: the main table as a chart; no issue numbers, work trees or to-dos"
+    page = " ".join(speed_page.PAGE.read_text().split())
+    assert f"figures/{speed_page.CHART.name}" in page
+    assert speed_page.CHART.is_file(), "python tools/speed_page.py draws it"
+    # (the GPU script's section names each call's commit: tests/test_gpu_run.py
+    # checks with it which call each part came from)
+    for note in ("issue ", "+changes", "to be run", "quiet machine", " yet", "for now"):
+        assert note not in page.lower(), f"a maintainer's note on the page: {note!r}"
+
+
+def test_the_chart_is_drawn_the_same_twice(tmp_path):
+    "The chart carries no date or version: the same records draw the same bytes"
+    first, second = tmp_path / "a.png", tmp_path / "b.png"
+    speed_page.draw_decoding_chart(first)
+    speed_page.draw_decoding_chart(second)
+    assert first.read_bytes() == second.read_bytes()

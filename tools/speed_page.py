@@ -1,12 +1,18 @@
-"""Write the book's appendix page "Speed and memory" from the benchmark records.
+"""Write the book's appendix page "Speed and memory" from the benchmark records,
+and its chart of the decoding table, book/figures/a2_decoding.png.
 
 Every number on book/a2_speed_and_memory.md comes from a JSON file in
 benchmarks/results/ (or the shipped models' training records), each table with its
 machine, date and command; none is typed by hand. tests/test_speed_page.py checks
 that the committed page is what this script writes. After a new benchmark run:
 
-    python tools/speed_page.py            # rewrite the page
+    python tools/speed_page.py            # rewrite the page and draw the chart
     python tools/speed_page.py --check    # exit 1 if the page is out of date
+
+--check compares the page's text and that the chart exists; the chart is drawn
+from the same records with no date or version in the file, so the same matplotlib
+draws the same bytes, but it is not compared byte for byte (another matplotlib
+draws other pixels).
 
 Records taken on a machine that was busy with other work are not published (the
 controlled `--busy 1` runs of benchmarks/generate.py are: their load is the
@@ -24,6 +30,7 @@ from bandwidth import nominal_bandwidth  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "book" / "a2_speed_and_memory.md"
+CHART = ROOT / "book" / "figures" / "a2_decoding.png"
 
 GPU_DECODE = "gpu-cuda-3b-20261122-2119.json"  # chapters 8, 10 and 12 cite it
 GPU_DECODES = (  # benchmarks/gpu.py did not yet write its command into the record
@@ -96,6 +103,84 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+# the decoding table's ways: the label a reader sees, the record's key
+DECODING_WAYS = {
+    "ours, eager": "ours eager",
+    "ours, compiled (CUDA graphs)": "ours compiled",
+    "`transformers`, eager": "transformers eager",
+    "`transformers`, static cache, compiled": "transformers static compiled",
+}
+
+
+def decoding_ms() -> dict[str, dict[int, dict[str, float]]]:
+    "device -> batch -> way's label -> ms a decoding step, from GPU_DECODES' records"
+    found = {}
+    for name, _ in GPU_DECODES:
+        gpu = record(name)
+        found[gpu["device"]] = {
+            batch: {
+                label: gpu["sections"][f"decode {key}, batch {batch}"]["ms_per_step"]
+                for label, key in DECODING_WAYS.items()
+            }
+            for batch in (1, 8)
+        }
+    return found
+
+
+def draw_decoding_chart(path: Path = CHART) -> None:
+    """The decoding table as bars: ms a step for each way, at batch 1 and 8, one
+    bar per GPU. Deterministic: no date or software version in the PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = decoding_ms()
+    devices = list(ms)
+    labels = [label.replace("`", "") for label in DECODING_WAYS]
+    colours = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
+    figure, axes = plt.subplots(1, 2, figsize=(6.8, 4.0), dpi=100, sharey=True)
+    height = 0.8 / len(devices)
+    for ax, batch in zip(axes, (1, 8)):
+        top = max(v for d in devices for v in ms[d][batch].values())
+        for i, device in enumerate(devices):
+            values = list(ms[device][batch].values())
+            ys = [row + (i - (len(devices) - 1) / 2) * height for row in range(4)]
+            ax.barh(ys, values, height=height * 0.92, color=colours[i], label=device)
+            for y, value in zip(ys, values):
+                ax.text(value + top * 0.02, y, f"{value:.1f}", va="center", fontsize=8)
+        ax.set_title(f"batch {batch}", fontsize=10)
+        ax.set_xlim(0, top * 1.22)
+        ax.tick_params(labelsize=8)
+        ax.spines[["top", "right"]].set_visible(False)
+    wrapped = [x.replace(" (", "\n(").replace("static cache,", "static\ncache,")
+               for x in labels]  # fmt: skip
+    axes[0].set_yticks(range(4), wrapped)
+    axes[0].invert_yaxis()
+    figure.supxlabel("ms a decoding step (shorter is faster)", fontsize=9)
+    handles, names = axes[0].get_legend_handles_labels()
+    figure.legend(handles, names, fontsize=8, frameon=False, ncol=len(devices),
+                  loc="upper center")  # fmt: skip
+    figure.tight_layout(rect=(0, 0, 1, 0.93))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, metadata={"Software": None})
+    plt.close(figure)
+
+
+def fastest_sentence() -> str:
+    "Which way was fastest, as the records say"
+    ms = decoding_ms()
+    best = {
+        (device, batch): min(ways, key=ways.get)
+        for device, batches in ms.items()
+        for batch, ways in batches.items()
+    }
+    if len(set(best.values())) == 1:
+        way = next(iter(best.values())).replace("`", "")
+        return f"The fastest way at both batch sizes on both GPUs: {way}."
+    return "Which way is fastest depends on the GPU and the batch size."
+
+
 def gpu_decoding() -> str:
     first = record(GPU_DECODES[0][0])
     sections = [
@@ -107,6 +192,10 @@ def gpu_decoding() -> str:
         "weights and the KV cache once at the GPU's nominal bandwidth. Every way "
         "gave the same tokens (with random weights one token repeated, a weak "
         "check). Chapter 8 explains both ways.",
+        f"```{{figure}} figures/{CHART.name}\n:alt: Milliseconds a decoding step, "
+        "by way, at batch 1 and 8, on each GPU\n\nThe tables below as bars: "
+        "milliseconds a decoding step (shorter is faster), at batch 1 and at batch "
+        f"8, one bar per GPU. {fastest_sentence()}\n```",
     ]
     for name, command in GPU_DECODES:
         sections += gpu_decoding_table(name, command)
@@ -120,14 +209,8 @@ def gpu_decoding_table(name: str, command: str) -> list[str]:
     # every GPU: the limit scales inversely with the bandwidth
     bandwidth = nominal_bandwidth(gpu["device"])
     rescale = gpu["bandwidth_bytes_per_s"] / bandwidth
-    ways = {
-        "ours, eager": "ours eager",
-        "ours, compiled (CUDA graphs)": "ours compiled",
-        "`transformers`, eager": "transformers eager",
-        "`transformers`, static cache, compiled": "transformers static compiled",
-    }
     rows = []
-    for label, key in ways.items():
+    for label, key in DECODING_WAYS.items():
         one, eight = parts[f"decode {key}, batch 1"], parts[f"decode {key}, batch 8"]
         rows.append(
             [
@@ -199,9 +282,8 @@ def gpu_int8() -> str:
             "against the same model in bfloat16 (ms a step). On a GPU the int8 "
             "layers take the cast route: each step writes a bfloat16 copy of every "
             "weight and reads it again. Compiled, the int8 step was slower still, "
-            "not faster: the fusion chapter 8.1 hoped for did not happen, and why "
-            "is still to be found on a GPU. For now int8 saves memory on a GPU, "
-            "not time.",
+            "not faster: the fusion chapter 8.1 hoped for did not happen. On a "
+            "GPU int8 saves memory, not time.",
             table(["way", "bfloat16", "int8 weights"], rows),
             source(
                 INT8_GPU, f"{gpu['device']}, PyTorch {gpu['torch']}", INT8_GPU_COMMAND
@@ -272,8 +354,6 @@ def cpu_threads() -> str:
                 ["way", "quiet, batch 1", "batch 8", "busy, batch 1", "batch 8"],
                 rows,
             ),
-            'The rows named `ours` in these records are the `threads="auto"` way '
-            "(it was the default when they were made).",
             source(CPU_QUIET, machine, quiet["command"]),
             source(CPU_BUSY, machine, busy["command"]),
         ]
@@ -310,11 +390,9 @@ def cpu_int8() -> str:
             "16,384) they are unmeasured and need not hold. The float32 rows were "
             "measured with the route of the time, which cast the codes to a "
             "float32 copy of the weight on every call: at "
-            "those widths that copy made int8 many times slower than float32 "
-            "(issue 33). Float32 activations now go through the int8 kernel, "
-            "rounded to bfloat16 (chapter 8.1). There is no figure at 2B widths "
-            "yet: `benchmarks/generate.py --only 3b --batches 1 --ways ours "
-            "'ours, int8'` measures one, to be run on a quiet machine.",
+            "those widths that copy made int8 many times slower than float32. "
+            "Float32 activations now go through the int8 kernel, rounded to "
+            "bfloat16 (chapter 8.1).",
             source(INT8_FP32, machine, fp32["command"]),
             source(INT8_BF16, machine, bf16["command"]),
         ]
@@ -328,7 +406,7 @@ def data_pipeline() -> str:
     rows.append(["the training step alone", f"{rates['step']:,.1f}"])
     for workers, rate in rates["end_to_end"].items():
         rows.append([f"data and step, workers {workers}", f"{rate:,.1f}"])
-    machine = f"2-core CPU, PyTorch {run['torch']}, commit {run['commit']}"
+    machine = f"2-core CPU, PyTorch {run['torch']}"
     args = run["args"]
     command = (
         "python benchmarks/train_throughput.py --device cpu --workers "
@@ -367,11 +445,13 @@ def gpu_run() -> str:
     )
     calls = sorted({(p["started"][:16].replace("T", " "), p["commit"])
                     for p in parts.values()})  # fmt: skip
+    # each call's commit: tests/test_gpu_run.py checks with it that every part
+    # comes from its own newest call
     when = "; ".join(f"{day} UTC (commit {commit})" for day, commit in calls)
     names = ", ".join(f"`benchmarks/results/{name}`" for name in sorted(paths))
     sections = ["## The GPU script's newest run", (
-        f"`tools/gpu_run.py` on {machine}, {env['cpus']} CPU cores; each part's "
-        f"newest call: {when}. *Records:* {names}."
+        f"`tools/gpu_run.py` on {machine}, {env['cpus']} CPU cores, run on "
+        f"{when}. *Records:* {names}."
     )]  # fmt: skip
     branches = parts.get("branches", {})
     if "tests" in branches:
@@ -488,14 +568,16 @@ def main() -> int:
     args = parser.parse_args()
     page = render()
     if args.check:
-        if PAGE.read_text() != page:
+        if PAGE.read_text() != page or not CHART.is_file():
             print(
-                f"{PAGE.relative_to(ROOT)} is out of date: python tools/speed_page.py"
+                f"{PAGE.relative_to(ROOT)} or {CHART.relative_to(ROOT)} is out of "
+                "date: python tools/speed_page.py"
             )
             return 1
         return 0
     PAGE.write_text(page)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
+    draw_decoding_chart()
+    print(f"wrote {PAGE.relative_to(ROOT)} and {CHART.relative_to(ROOT)}")
     return 0
 
 
