@@ -233,7 +233,7 @@ def parse_receipt(text: str) -> dict:
             return {str(k): str(v).strip() for k, v in value.items()}
     return {}
 
-
+# %% ../book/11b_training.ipynb #d7a2bc63
 def receipt_metrics(predictions: list[str], references: list[str]) -> dict:
     "Per-field accuracy, all fields right, and whole-string exact match"
     parsed = [
