@@ -50,7 +50,7 @@ MIX_OFFSET = len(WORLDS) * SEEDS_PER_WORLD
 # rejection sampling gives up after this many draws, with an error
 MAX_TRIES = 1000
 
-
+# %% ../book/11_data_and_training.ipynb #284b50de
 def unknown_worlds(names) -> str:
     "The error for worlds nobody made"
     return (
@@ -59,7 +59,7 @@ def unknown_worlds(names) -> str:
         "with `import paligemma_lib.segmentation`)"
     )
 
-
+# %% ../book/11_data_and_training.ipynb #8b9fb5af
 def example_rng(world: str, seed: int) -> random.Random:
     """The generator of one example: its own random.Random, never the global
     one. seed: an integer of the world's range; numpy's integers too
@@ -96,7 +96,7 @@ PROMPTS = {
     "extract": "extract json",
 }
 
-
+# %% ../book/11_data_and_training.ipynb #0c6cba92
 @dataclass
 class Example:
     """One generated example: what the model sees (image, prompt, answer) and
@@ -136,13 +136,13 @@ KINDS = ("circle", "square", "triangle")
 MARGIN, GAP = 4, 6
 SIDES = (36, 80)  # the smallest and the largest side of a shape's square box
 
-
+# %% ../book/11_data_and_training.ipynb #b8eacaea
 def box_gap(a, b) -> int:
     """Background pixels between boxes a and b (x0, y0, x1, y1): the wider gap,
     x or y"""
     return max(b[0] - a[2], a[0] - b[2], b[1] - a[3], a[1] - b[3])
 
-
+# %% ../book/11_data_and_training.ipynb #752229d0
 def place_boxes(rng: random.Random, n: int, tries: int = MAX_TRIES) -> list:
     """n square boxes (x0, y0, x0 + side, y0 + side) inside the canvas by
     MARGIN and GAP apart: whole layouts are drawn until one fits, at most
@@ -194,7 +194,7 @@ def caption(labels: list) -> str:
         else ", ".join(parts[:-1]) + " and " + parts[-1]
     )
 
-
+# %% ../book/11_data_and_training.ipynb #eb3a470a
 def _shapes_example(
     rng: random.Random, seed: int, task: str | None
 ) -> Example:
@@ -266,7 +266,7 @@ def load_font(size: int, bold: bool = False) -> ImageFont.FreeTypeFont:
         str(font_path(bold)), size, layout_engine=ImageFont.Layout.BASIC
     )
 
-
+# %% ../book/11_data_and_training.ipynb #9c0bb014
 def ocr_text(rng: random.Random) -> str:
     """2-8 characters of A-Z 0-9; half the time one inner character becomes '.'
     or ' '"""
@@ -276,7 +276,7 @@ def ocr_text(rng: random.Random) -> str:
         chars[rng.randint(1, len(chars) - 2)] = inner
     return "".join(chars)
 
-
+# %% ../book/11_data_and_training.ipynb #a5b83d80
 def place_text(
     rng: random.Random, text: str, font: ImageFont.FreeTypeFont
 ) -> tuple:
@@ -295,7 +295,7 @@ def place_text(
     y = rng.randint(MARGIN - top, IMAGE_SIZE - MARGIN - bottom)
     return x, y
 
-
+# %% ../book/11_data_and_training.ipynb #d0d88852
 def _ocr_example(rng: random.Random, seed: int, task: str | None) -> Example:
     background, ink = rng.randint(225, 255), rng.randint(0, 60)
     text = ocr_text(rng)
@@ -325,12 +325,12 @@ ITEMS = (
     "SUGAR FLOUR HONEY YOGURT"
 ).split()
 
-
+# %% ../book/11_data_and_training.ipynb #7ed7fe4b
 def money(cents: int) -> str:
     "1240 -> '12.40'"
     return f"{cents // 100}.{cents % 100:02d}"
 
-
+# %% ../book/11_data_and_training.ipynb #b69c6473
 def layout_receipt(
     lines: list, size: int, margin: int, top: int
 ) -> list | None:
@@ -355,7 +355,7 @@ def layout_receipt(
                 return None
     return placed
 
-
+# %% ../book/11_data_and_training.ipynb #8729ea94
 def _receipt_example(
     rng: random.Random, seed: int, task: str | None
 ) -> Example:
@@ -415,7 +415,7 @@ def make_example(world: str, seed: int, task: str | None = None) -> Example:
         )
     return _MAKERS[world](rng, seed, task)
 
-
+# %% ../book/11_data_and_training.ipynb #d2a47ef8
 def add_world(name: str, maker, tasks: tuple, offset: int) -> None:
     """A later chapter's world joins make_example and SyntheticDataset:
     maker(rng, seed, task) -> Example; its example `seed` is drawn from

@@ -50,7 +50,7 @@ def validation_loss(
         count += count_targets(batch.labels)
     return total / count
 
-
+# %% ../book/11b_training.ipynb #4cfbfdac
 @torch.no_grad()
 def predict(
     model,
@@ -146,7 +146,7 @@ def box_iou(a, b) -> float:
     union = area_a + area_b - w * h
     return w * h / union if union > 0 else 0.0
 
-
+# %% ../book/11b_training.ipynb #d99df0a8
 def match_boxes(predicted: list, true: list) -> list[float]:
     """[(box, label)] predicted and true -> one IoU per pair matched greedily
     by IoU within a label (each box used once), plus 0 for each box left over
@@ -169,7 +169,7 @@ def match_boxes(predicted: list, true: list) -> list[float]:
         len(predicted) - len(used_p) + len(true) - len(used_t)
     )
 
-
+# %% ../book/11b_training.ipynb #700d4507
 def detection_metrics(predictions: list[str], references: list[str]) -> dict:
     "Mean IoU and share of IoU >= 0.5 over all matched-or-left-over boxes"
     ious = []
@@ -202,7 +202,7 @@ def levenshtein(a: str, b: str) -> int:
         previous = current
     return previous[-1]
 
-
+# %% ../book/11b_training.ipynb #2ac55dac
 def character_error_rate(
     predictions: list[str], references: list[str]
 ) -> float:
@@ -217,7 +217,7 @@ def character_error_rate(
     )
     return errors / length
 
-
+# %% ../book/11b_training.ipynb #b6c10f21
 RECEIPT_FIELDS = ("store", "date", "total")
 
 
@@ -233,7 +233,7 @@ def parse_receipt(text: str) -> dict:
             return {str(k): str(v).strip() for k, v in value.items()}
     return {}
 
-
+# %% ../book/11b_training.ipynb #d7a2bc63
 def receipt_metrics(predictions: list[str], references: list[str]) -> dict:
     "Per-field accuracy, all fields right, and whole-string exact match"
     parsed = [
@@ -276,7 +276,7 @@ def compute_metrics(rows: list[dict]) -> dict:
         metrics[task] = m
     return metrics
 
-
+# %% ../book/11b_training.ipynb #05048b0e
 def format_metrics(metrics: dict) -> str:
     "The metrics table: one line per (task, metric)"
     lines = [f"{'task':<12} {'metric':<24} {'value':>8}"]
@@ -288,7 +288,7 @@ def format_metrics(metrics: dict) -> str:
             lines.append(f"{task:<12} {name:<24} {shown}")
     return "\n".join(lines)
 
-
+# %% ../book/11b_training.ipynb #b2ba58f1
 def make_evaluator(
     processor,
     dataset,

@@ -59,7 +59,7 @@ def rng_states(device=None) -> dict:
         states["cuda"] = torch.cuda.get_rng_state(_gpu(device))
     return states
 
-
+# %% ../book/11b_training.ipynb #018e992e
 def set_rng_states(states: dict, device=None):
     """Put `rng_states` back, the CUDA state onto this process's GPU (of a
     checkpoint that held every GPU's, a list: this GPU's, if it was there)"""
@@ -75,7 +75,7 @@ def set_rng_states(states: dict, device=None):
         cuda = cuda[gpu]
     torch.cuda.set_rng_state(cuda.cpu(), gpu)
 
-
+# %% ../book/11b_training.ipynb #e6221433
 def save_checkpoint(
     out_dir,
     model,
@@ -123,13 +123,13 @@ def save_checkpoint(
         shutil.rmtree(old)
     return final
 
-
+# %% ../book/11b_training.ipynb #2cda342c
 def latest_checkpoint(out_dir) -> Path | None:
     "The newest complete checkpoint of a run's output folder, or None"
     found = sorted((Path(out_dir) / CHECKPOINTS).glob("step-*"))
     return found[-1] if found else None
 
-
+# %% ../book/11b_training.ipynb #ae6444d4
 SHARDED = ".metadata"  # DCP's index (below): a folder with it is sharded
 
 
@@ -150,7 +150,7 @@ def _check_sharding(folder: Path, model) -> bool:
         )
     return sharded
 
-
+# %% ../book/11b_training.ipynb #5d43a066
 def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
     """Put a checkpoint's weights, optimiser and scheduler states and RNG
     states back -> the rest of its training state (step, data position,
@@ -203,7 +203,7 @@ def _sharded_state(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
     weights = {k: v for k, v in weights.items() if k in kept}
     return weights, moments, options
 
-
+# %% ../book/11b_training.ipynb #7d0c7288
 def save_sharded_checkpoint(
     out_dir, model, optimizer, scheduler, state: dict, keep: int = 2
 ) -> Path:
@@ -241,7 +241,7 @@ def save_sharded_checkpoint(
             shutil.rmtree(staging, ignore_errors=True)
     return final
 
-
+# %% ../book/11b_training.ipynb #ff9c8e88
 def load_sharded_checkpoint(folder, model, optimizer, scheduler) -> dict:
     """`load_checkpoint` of a sharded checkpoint into a sharded model, with
     any number of processes: DCP reads the pieces of this process's shards

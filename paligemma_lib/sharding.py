@@ -87,7 +87,7 @@ def shard_model(
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
-
+# %% ../book/11b_training.ipynb #6c91d6fe
 def data_parallel(
     model: nn.Module,
     device,

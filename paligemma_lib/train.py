@@ -77,7 +77,7 @@ def global_batch(
         indices += order[offset : offset + batch_size - len(indices)]
     return indices
 
-
+# %% ../book/11b_training.ipynb #36050839
 def shard(
     indices: list[int], rank: int, world_size: int, accumulation: int
 ) -> list[list[int]]:
@@ -113,7 +113,7 @@ def autocast(device) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=dtype)
 
-
+# %% ../book/11b_training.ipynb #b166dcf5
 def grad_scaler(device) -> torch.amp.GradScaler:
     """A loss scaler, on only where autocast computes in fp16 (its gradients
     underflow)"""
@@ -315,7 +315,7 @@ class TrainConfig:
             )
         return self.batch_size // parts
 
-
+# %% ../book/11b_training.ipynb #b26d0ab1
 def world() -> tuple[int, int]:
     "(rank, world_size) of this process: (0, 1) outside torch.distributed"
     if dist.is_available() and dist.is_initialized():
@@ -376,7 +376,7 @@ def _check_run(config: TrainConfig, out_dir, resume: bool, workers):
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
-
+# %% ../book/11b_training.ipynb #454f520d
 def _resume_or_seed(
     config: TrainConfig,
     out_dir,
@@ -410,7 +410,7 @@ def _resume_or_seed(
         torch.manual_seed(config.seed)
     return start, history
 
-
+# %% ../book/11b_training.ipynb #5010c511
 def _evaluate_into(history: dict, done: int, evaluate, model, bar, rank=0):
     """Evaluate after step `done`: a row of history["eval"], and (process 0) a
     line under the progress bar"""
@@ -450,7 +450,7 @@ def _progress_bar(config: TrainConfig, start: int, progress: bool, rank: int):
         unit="step",
     )
 
-
+# %% ../book/11b_training.ipynb #83fafc35
 def train(
     model: nn.Module,
     dataset,
@@ -575,7 +575,7 @@ class StepBatches(torch.utils.data.Dataset):
             self.collate([self.dataset[i] for i in part]) for part in parts
         ]
 
-
+# %% ../book/11b_training.ipynb #80437f86
 def _as_is(item):
     return item
 

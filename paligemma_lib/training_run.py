@@ -76,7 +76,7 @@ MODEL_SIZES = {
     },
 }
 
-
+# %% ../book/11b_training.ipynb #d86cd9a8
 def model_config(name: str, tokenizer: GemmaTokenizer) -> PaliGemmaConfig:
     "A named size of MODEL_SIZES over `tokenizer`'s vocabulary"
     if name not in MODEL_SIZES:
@@ -117,7 +117,7 @@ class TrainingRun:
     data: str | None = None
     command: str = ""
 
-
+# %% ../book/11b_training.ipynb #d64e017a
 def training_model(run: TrainingRun):
     "(processor, model) to train: the checkpoint, with its adapter, or new"
     if run.model is not None:
@@ -142,7 +142,7 @@ def device_description(device: torch.device) -> str:
     machine = platform.processor() or platform.machine()
     return f"cpu: {machine}, {os.cpu_count()} cores"
 
-
+# %% ../book/11b_training.ipynb #c34ee3e3
 def run_training(run: TrainingRun, on_start=None) -> dict:
     """Build or load the model, train it (`train`), save it (or only its
     adapter) and training_record.json into `run.out`; the record. Every
