@@ -14,6 +14,7 @@ from .data import KINDS
 from .mask_vae_training import VAE_TRAIN_SEEDS
 from paligemma_lib.segmentation import (
     Segment,
+    _answer_vae,
     _mask_in_box,
     mask_to_64,
     parse_segments,
@@ -82,7 +83,7 @@ def baseline(predicted: list, kind: str, width: int, height: int, averages):
             out.append(s)
             continue
         if averages is None:
-            x0, y0, x1, y1 = (int(c) for c in s.box)  # as _mask_in_box cuts
+            x0, y0, x1, y1 = s.box  # the whole pixels the mask fills
             mask = torch.zeros(height, width, dtype=torch.bool)
             mask[y0:y1, x0:x1] = True
         else:
@@ -98,8 +99,10 @@ METHODS = ("model", "filled box", "class mask")
 def grade(example, prediction: str, vae=None, averages=None) -> dict:
     """One example of the segments world and the answer predicted for it ->
     {method: its IoUs (matched_ious)} for the model's masks and both
-    baselines, and "invalid": the predicted objects that are not valid"""
+    baselines, and "invalid": the predicted objects that are not valid.
+    `vae` None: load_mask_vae()'s choice, read once per process and file"""
     averages = average_masks() if averages is None else averages
+    vae = _answer_vae() if vae is None else vae
     width, height = example.image.size
     kind = example.labels[0]
     predicted = parse_segments(prediction, width, height, vae)
