@@ -154,24 +154,6 @@ class MaskVAE(nn.Module):
         self._vq_vae = VectorQuantizer()
         self.decoder = mask_decoder()
 
-    def encode(self, masks: torch.Tensor) -> torch.Tensor:
-        "Masks [B, 64, 64] in [0, 1] -> codes [B, 16]"
-        if masks.shape[-2:] != (MASK_SIZE, MASK_SIZE) or masks.ndim != 3:
-            raise ValueError(
-                f"encode takes masks [B, 64, 64], got {list(masks.shape)}; "
-                "cut each mask to its box and resize it to 64 x 64"
-            )
-        z = self.encoder(2 * masks[:, None].to(self._dtype()) - 1)
-        return self._vq_vae(z).codes
-
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        "Codes [B, 16] in 0..127 -> masks [B, 64, 64], inside > 0"
-        if codes.ndim != 2 or codes.shape[1] != NUM_MASK_TOKENS:
-            raise ValueError(
-                f"decode takes codes [B, 16], got {list(codes.shape)}"
-            )
-        return self.decoder(self._vq_vae.lookup(codes))[:, 0]
-
     def forward(self, masks: torch.Tensor):
         "Masks [B, 64, 64] in [0, 1] -> (reconstruction in [-1, 1], Quantized)"
         z = self.encoder(2 * masks[:, None].to(self._dtype()) - 1)
@@ -180,6 +162,28 @@ class MaskVAE(nn.Module):
 
     def _dtype(self) -> torch.dtype:
         return self._vq_vae._embedding.dtype
+
+# %% ../book/12b_segmentation.ipynb #538fbffe
+@patch_to(MaskVAE)
+def encode(self, masks: torch.Tensor) -> torch.Tensor:
+    "Masks [B, 64, 64] in [0, 1] -> codes [B, 16]"
+    if masks.shape[-2:] != (MASK_SIZE, MASK_SIZE) or masks.ndim != 3:
+        raise ValueError(
+            f"encode takes masks [B, 64, 64], got {list(masks.shape)}; "
+            "cut each mask to its box and resize it to 64 x 64"
+        )
+    z = self.encoder(2 * masks[:, None].to(self._dtype()) - 1)
+    return self._vq_vae(z).codes
+
+
+@patch_to(MaskVAE)
+def decode(self, codes: torch.Tensor) -> torch.Tensor:
+    "Codes [B, 16] in 0..127 -> masks [B, 64, 64], inside > 0"
+    if codes.ndim != 2 or codes.shape[1] != NUM_MASK_TOKENS:
+        raise ValueError(
+            f"decode takes codes [B, 16], got {list(codes.shape)}"
+        )
+    return self.decoder(self._vq_vae.lookup(codes))[:, 0]
 
 # %% ../book/12b_segmentation.ipynb #s032
 # AiT's VectorQuantizerEMA keeps the moving averages that update its codebook
@@ -429,7 +433,7 @@ SEGMENT_PROMPT = "segment {kind}"
 SCENE_OFFSET = 100 * SEEDS_PER_WORLD
 MIN_VISIBLE = 0.5  # each object keeps at least half of its area in view
 
-
+# %% ../book/12b_segmentation.ipynb #5b419714
 def _silhouette(rng: random.Random, kind: str) -> np.ndarray:
     "One shape at a random place, size and angle: [224, 224] bool"
     side = rng.randint(*SIDES)
@@ -457,7 +461,7 @@ def _silhouette(rng: random.Random, kind: str) -> np.ndarray:
         )
     return np.array(canvas) > 0
 
-
+# %% ../book/12b_segmentation.ipynb #87fc3a24
 def _mask_box(mask: np.ndarray) -> tuple[int, int, int, int]:
     "A [H, W] bool mask -> its box (x0, y0, x1, y1), pixel edges"
     ys, xs = np.nonzero(mask)
@@ -484,7 +488,7 @@ def segment_scene(seed: int) -> SegmentScene:
         )
     return _draw_scene(random.Random(SCENE_OFFSET + seed), seed)
 
-
+# %% ../book/12b_segmentation.ipynb #5a3b339b
 def _draw_scene(rng: random.Random, seed: int) -> SegmentScene:
     "The scene `segment_scene(seed)` describes, drawn with `rng`"
     for _ in range(MAX_TRIES):
@@ -529,7 +533,7 @@ def mask_to_64(mask: torch.Tensor, box) -> torch.Tensor:
         crop, size=(MASK_SIZE, MASK_SIZE), mode="bilinear", antialias=True
     )[0, 0]
 
-
+# %% ../book/12b_segmentation.ipynb #86d6a8b2
 def segment_answer(scene: SegmentScene, kind: str, vae=None) -> str:
     """The answer to `segment <kind>`: each instance left to right, ' ; '
     apart; `vae` None: load_mask_vae()"""
@@ -564,7 +568,7 @@ def _answer_vae() -> MaskVAE:
         _ANSWER_VAES[str(path)] = load_mask_vae(path)
     return _ANSWER_VAES[str(path)]
 
-
+# %% ../book/12b_segmentation.ipynb #1ea16e04
 def _segments_example(rng: random.Random, seed: int, task) -> Example:
     "Example `seed` of the segments world: one kind of its scene, segmented"
     scene = _draw_scene(rng, seed)
