@@ -32,7 +32,7 @@ VAE_TRAIN_SEEDS = range(0, 3000)
 VAE_TEST_SEEDS = range(9 * 10**9, 9 * 10**9 + 200)
 COMMITMENT = 0.25  # beta, the commitment loss's weight
 
-
+# %% ../book/12b_segmentation.ipynb #82e92029
 def world_masks(seeds) -> torch.Tensor:
     "Every object of scenes `seeds`, cut to its box: [N, 64, 64] in [0, 1]"
     crops = []
@@ -149,7 +149,7 @@ def mask_iou(a: torch.Tensor, b: torch.Tensor) -> float:
     union = (a | b).sum().item()
     return (a & b).sum().item() / union if union else 1.0
 
-
+# %% ../book/12b_segmentation.ipynb #98ade583
 def reconstruction_report(vae: MaskVAE, seeds) -> dict:
     """Each object of scenes `seeds` encoded and decoded: its label, the IoU
     of decoded > 0 with its 64 x 64 mask > 0.5, the IoU of the decoded mask

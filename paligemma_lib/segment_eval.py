@@ -14,6 +14,7 @@ from .data import KINDS
 from .mask_vae_training import VAE_TRAIN_SEEDS
 from paligemma_lib.segmentation import (
     Segment,
+    _answer_vae,
     _mask_in_box,
     mask_to_64,
     parse_segments,
@@ -26,7 +27,7 @@ own boxes: the filled box and the class's average mask."""
 
 AVERAGE_SEEDS = VAE_TRAIN_SEEDS[:1000]  # training scenes: the average masks
 
-
+# %% ../book/12b_segmentation.ipynb #ef11cc33
 def _iou(a: np.ndarray, b: np.ndarray) -> float:
     "Two boolean masks of one shape -> intersection over union (1 if empty)"
     union = np.logical_or(a, b).sum()
@@ -72,7 +73,7 @@ def average_masks(seeds=AVERAGE_SEEDS) -> dict:
         }
     return _AVERAGES[key]
 
-
+# %% ../book/12b_segmentation.ipynb #2d93a9c8
 def baseline(predicted: list, kind: str, width: int, height: int, averages):
     """The predicted objects with their masks replaced: the filled box when
     `averages` is None, else the kind's average mask in the box"""
@@ -82,7 +83,7 @@ def baseline(predicted: list, kind: str, width: int, height: int, averages):
             out.append(s)
             continue
         if averages is None:
-            x0, y0, x1, y1 = (int(c) for c in s.box)  # as _mask_in_box cuts
+            x0, y0, x1, y1 = s.box  # the whole pixels the mask fills
             mask = torch.zeros(height, width, dtype=torch.bool)
             mask[y0:y1, x0:x1] = True
         else:
@@ -98,8 +99,10 @@ METHODS = ("model", "filled box", "class mask")
 def grade(example, prediction: str, vae=None, averages=None) -> dict:
     """One example of the segments world and the answer predicted for it ->
     {method: its IoUs (matched_ious)} for the model's masks and both
-    baselines, and "invalid": the predicted objects that are not valid"""
+    baselines, and "invalid": the predicted objects that are not valid.
+    `vae` None: load_mask_vae()'s choice, read once per process and file"""
     averages = average_masks() if averages is None else averages
+    vae = _answer_vae() if vae is None else vae
     width, height = example.image.size
     kind = example.labels[0]
     predicted = parse_segments(prediction, width, height, vae)
@@ -111,7 +114,7 @@ def grade(example, prediction: str, vae=None, averages=None) -> dict:
     grades = {m: matched_ious(s, example.masks)[0] for m, s in shown.items()}
     return grades | {"invalid": sum(not s.valid for s in predicted)}
 
-
+# %% ../book/12b_segmentation.ipynb #4fa00a4a
 def summarize(kinds: list, grades: list) -> dict:
     """The kind asked and grade() of each example -> mIoU of the model and of
     both baselines, overall and per kind; invalid objects; objects graded"""
@@ -129,7 +132,7 @@ def summarize(kinds: list, grades: list) -> dict:
     metrics["objects graded"] = sum(len(g["model"]) for g in grades)
     return metrics
 
-
+# %% ../book/12b_segmentation.ipynb #aaa39d06
 def segment_metrics(examples: list, predictions: list, vae=None) -> dict:
     """Examples of the segments world and the answers predicted for them ->
     summarize() of their grades"""

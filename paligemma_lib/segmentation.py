@@ -2,11 +2,11 @@
 
 # %% auto #0
 __all__ = ['NUM_SEG_CODES', 'CODE_DIM', 'NUM_MASK_TOKENS', 'MASK_SIZE',
-           'SEGMENT_PROMPT', 'SCENE_OFFSET', 'MIN_VISIBLE', 'ResBlock',
-           'mask_encoder', 'mask_decoder', 'VectorQuantizer', 'Quantized',
-           'code_usage', 'MaskVAE', 'shipped_mask_vae_path', 'load_mask_vae',
-           'Segment', 'parse_segments', 'draw_segments', 'SegmentScene',
-           'segment_scene', 'mask_to_64', 'segment_answer']
+           'SEGMENT_COLOURS', 'SEGMENT_PROMPT', 'SCENE_OFFSET', 'MIN_VISIBLE',
+           'ResBlock', 'mask_encoder', 'mask_decoder', 'VectorQuantizer',
+           'Quantized', 'code_usage', 'MaskVAE', 'shipped_mask_vae_path',
+           'load_mask_vae', 'Segment', 'parse_segments', 'draw_segments',
+           'SegmentScene', 'segment_scene', 'mask_to_64', 'segment_answer']
 
 # %% ../book/12b_segmentation.ipynb #s002
 import os
@@ -154,24 +154,6 @@ class MaskVAE(nn.Module):
         self._vq_vae = VectorQuantizer()
         self.decoder = mask_decoder()
 
-    def encode(self, masks: torch.Tensor) -> torch.Tensor:
-        "Masks [B, 64, 64] in [0, 1] -> codes [B, 16]"
-        if masks.shape[-2:] != (MASK_SIZE, MASK_SIZE) or masks.ndim != 3:
-            raise ValueError(
-                f"encode takes masks [B, 64, 64], got {list(masks.shape)}; "
-                "cut each mask to its box and resize it to 64 x 64"
-            )
-        z = self.encoder(2 * masks[:, None].to(self._dtype()) - 1)
-        return self._vq_vae(z).codes
-
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        "Codes [B, 16] in 0..127 -> masks [B, 64, 64], inside > 0"
-        if codes.ndim != 2 or codes.shape[1] != NUM_MASK_TOKENS:
-            raise ValueError(
-                f"decode takes codes [B, 16], got {list(codes.shape)}"
-            )
-        return self.decoder(self._vq_vae.lookup(codes))[:, 0]
-
     def forward(self, masks: torch.Tensor):
         "Masks [B, 64, 64] in [0, 1] -> (reconstruction in [-1, 1], Quantized)"
         z = self.encoder(2 * masks[:, None].to(self._dtype()) - 1)
@@ -181,41 +163,65 @@ class MaskVAE(nn.Module):
     def _dtype(self) -> torch.dtype:
         return self._vq_vae._embedding.dtype
 
+# %% ../book/12b_segmentation.ipynb #538fbffe
+@patch_to(MaskVAE)
+def encode(self, masks: torch.Tensor) -> torch.Tensor:
+    "Masks [B, 64, 64] in [0, 1] -> codes [B, 16]"
+    if masks.shape[-2:] != (MASK_SIZE, MASK_SIZE) or masks.ndim != 3:
+        raise ValueError(
+            f"encode takes masks [B, 64, 64], got {list(masks.shape)}; "
+            "cut each mask to its box and resize it to 64 x 64"
+        )
+    z = self.encoder(2 * masks[:, None].to(self._dtype()) - 1)
+    return self._vq_vae(z).codes
+
+
+@patch_to(MaskVAE)
+def decode(self, codes: torch.Tensor) -> torch.Tensor:
+    "Codes [B, 16] in 0..127 -> masks [B, 64, 64], inside > 0"
+    if codes.ndim != 2 or codes.shape[1] != NUM_MASK_TOKENS:
+        raise ValueError(
+            f"decode takes codes [B, 16], got {list(codes.shape)}"
+        )
+    return self.decoder(self._vq_vae.lookup(codes))[:, 0]
+
 # %% ../book/12b_segmentation.ipynb #s032
-def _check_vae_arrays(arrays: dict, expected: dict, name: str) -> None:
-    "Every name and shape of the state dict, or a sentence saying what is off"
-    for key, tensor in expected.items():
+# AiT's VectorQuantizerEMA keeps the moving averages that update its codebook
+# beside it; a file of its whole state holds them, decoding never reads them
+_EMA_BUFFERS = {
+    "_vq_vae._ema_cluster_size": (NUM_SEG_CODES,),
+    "_vq_vae._ema_w": (NUM_SEG_CODES, CODE_DIM),
+}
+
+
+def _check_vae_arrays(arrays: dict, expected: dict, name: str) -> dict:
+    """Every name and shape of the state dict, or a sentence saying what is
+    off -> the arrays to load (the EMA buffers, if any, dropped)"""
+    shapes = {k: tuple(t.shape) for k, t in expected.items()} | _EMA_BUFFERS
+    for key, shape in shapes.items():
+        if key not in arrays and key in _EMA_BUFFERS:
+            continue  # optional: only a file of the EMA class's state has it
         if key not in arrays:
             raise ValueError(
                 f"{name} has no array {key!r} (the mask VAE needs shape "
-                f"{list(tensor.shape)}); is it big_vision's vae-oid.npz?"
+                f"{list(shape)}); is it big_vision's vae-oid.npz?"
             )
-        if tuple(arrays[key].shape) != tuple(tensor.shape):
+        if tuple(arrays[key].shape) != shape:
             raise ValueError(
                 f"{name}: {key!r} has shape {list(arrays[key].shape)}, the "
-                f"mask VAE needs {list(tensor.shape)}"
+                f"mask VAE needs {list(shape)}"
             )
-    extra = sorted(set(arrays) - set(expected))
+    extra = sorted(set(arrays) - set(shapes))
     if extra:
         raise ValueError(
             f"{name} holds {extra[0]!r} (and {len(extra) - 1} more), which "
             "the mask VAE does not have; is it big_vision's vae-oid.npz?"
         )
+    return {key: arrays[key] for key in expected}
 
-
-def shipped_mask_vae_path() -> Path:
-    "Our own mask VAE (trained at the end of this chapter), in the package"
-    package = Path(find_spec("paligemma_lib").origin).parent
-    return package / "assets" / "mask_vae" / "mask_vae.npz"
-
-
-def load_mask_vae(path=None) -> MaskVAE:
-    """A mask VAE file in vae-oid.npz's layout -> a MaskVAE in eval mode,
-    every tensor checked. Which file: `path`; when None, $PALIGEMMA_SEG_VAE
-    (e.g. big_vision's vae-oid.npz); when unset, the shipped VAE"""
-    if path is None:
-        path = os.environ.get("PALIGEMMA_SEG_VAE") or shipped_mask_vae_path()
-    path = Path(path)
+# %% ../book/12b_segmentation.ipynb #42d990da
+def _read_npz(path: Path) -> dict:
+    "Every array of the .npz at `path`, or a sentence saying why not"
     if not path.is_file():
         raise FileNotFoundError(
             f"no mask VAE file at {path}; give the path of a file in "
@@ -231,11 +237,26 @@ def load_mask_vae(path=None) -> MaskVAE:
         raise ValueError(not_npz)
     try:  # arrays of numbers only: no pickled objects, no code run
         with np.load(path, allow_pickle=False) as npz:
-            arrays = {key: npz[key] for key in npz.files}
+            return {key: npz[key] for key in npz.files}
     except (ValueError, OSError, zipfile.BadZipFile) as e:
         raise ValueError(f"{not_npz} ({e})") from None
+
+# %% ../book/12b_segmentation.ipynb #06e5be2c
+def shipped_mask_vae_path() -> Path:
+    "Our own mask VAE (trained at the end of this chapter), in the package"
+    package = Path(find_spec("paligemma_lib").origin).parent
+    return package / "assets" / "mask_vae" / "mask_vae.npz"
+
+
+def load_mask_vae(path=None) -> MaskVAE:
+    """A mask VAE file in vae-oid.npz's layout -> a MaskVAE in eval mode,
+    every tensor checked. Which file: `path`; when None, $PALIGEMMA_SEG_VAE
+    (e.g. big_vision's vae-oid.npz); when unset, the shipped VAE"""
+    if path is None:
+        path = os.environ.get("PALIGEMMA_SEG_VAE") or shipped_mask_vae_path()
+    path = Path(path)
     vae = MaskVAE()
-    _check_vae_arrays(arrays, vae.state_dict(), path.name)
+    arrays = _check_vae_arrays(_read_npz(path), vae.state_dict(), path.name)
     state = {
         k: torch.from_numpy(v.astype(np.float32)) for k, v in arrays.items()
     }
@@ -243,7 +264,11 @@ def load_mask_vae(path=None) -> MaskVAE:
     return vae.eval()
 
 # %% ../book/12b_segmentation.ipynb #s037
-_SEGMENT = re.compile(r"\s*((?:<loc\d{4}>){4})((?:<seg\d{3}>){16})([^<]*)")
+# the evaluator's reading of one object: 4 <loc>, 16 <seg>, the rest ignored;
+# whitespace between the box and the codes, as the demo's pattern allows
+_SEGMENT = re.compile(
+    r"\s*((?:<loc\d{4}>){4})\s*((?:<seg\d{3}>){16})(.*)", re.DOTALL
+)
 
 
 @dataclass
@@ -251,7 +276,7 @@ class Segment:
     "One object of a `segment` answer; box and mask are None when invalid"
 
     label: str
-    box: tuple[float, float, float, float] | None  # x0, y0, x1, y1, pixels
+    box: tuple[int, int, int, int] | None  # x0, y0, x1, y1: the mask's pixels
     mask: torch.Tensor | None  # [H, W] bool, True inside the object
     text: str  # the answer's text for this object
 
@@ -260,49 +285,45 @@ class Segment:
         return self.mask is not None
 
 
-def _pixel_box(bins, width: int, height: int):
-    "Bins (y0, x0, y1, x1) -> the box in pixels, float and whole"
+def _pixel_box(bins, width: int, height: int) -> tuple:
+    "Bins (y0, x0, y1, x1) -> the box in whole pixels, cut down as big_vision"
     y0, x0, y1, x1 = bins
-    box = tuple(
-        bin_to_coordinate(b, side)
-        for b, side in ((x0, width), (y0, height), (x1, width), (y1, height))
-    )
-    return box, tuple(int(c) for c in box)  # int: cut down, as big_vision
+    sides = ((x0, width), (y0, height), (x1, width), (y1, height))
+    return tuple(int(bin_to_coordinate(b, side)) for b, side in sides)
 
 # %% ../book/12b_segmentation.ipynb #s038
+def _read_object(piece: str, width: int, height: int):
+    """One object's text -> (label, box in whole pixels, 16 codes), or None
+    where big_vision's evaluator would call it invalid"""
+    match = _SEGMENT.match(piece)
+    if match is None:
+        return None
+    bins = [int(b) for b in re.findall(r"\d{4}", match.group(1))]
+    codes = [int(c) for c in re.findall(r"\d{3}", match.group(2))]
+    if max(bins) >= NUM_LOC_BINS or max(codes) >= NUM_SEG_CODES:
+        return None  # no such token in the vocabulary
+    x0, y0, x1, y1 = box = _pixel_box(bins, width, height)
+    if bins[2] <= bins[0] or bins[3] <= bins[1] or x1 <= x0 or y1 <= y0:
+        return None  # empty in bins, or once cut to whole pixels
+    return _label(match.group(3)), box, codes
+
+
+def _label(text: str) -> str:
+    "What an object's text says without its tokens: its label"
+    return re.sub(r"<[^>]*>", "", text).strip()
+
+# %% ../book/12b_segmentation.ipynb #34dd82b8
 def parse_segments(text: str, width: int, height: int, vae=None):
     """A `segment` answer -> [Segment], one per object in the answer's order;
-    objects that are not 4 <loc>, 16 <seg> and a label are kept as invalid.
-    `vae` None: load_mask_vae() (the shipped VAE unless $PALIGEMMA_SEG_VAE)"""
+    objects the evaluator would not read are kept as invalid. `vae` None:
+    load_mask_vae() (the shipped VAE unless $PALIGEMMA_SEG_VAE)"""
     pieces = [p for p in text.split(";") if p.strip()]
-    parsed = []  # per piece: (label, box in pixels, 16 codes) or None
-    for piece in pieces:
-        match = _SEGMENT.fullmatch(piece)
-        if match is None:
-            parsed.append(None)
-            continue
-        bins = [int(b) for b in re.findall(r"\d{4}", match.group(1))]
-        codes = [int(c) for c in re.findall(r"\d{3}", match.group(2))]
-        box, (x0, y0, x1, y1) = _pixel_box(bins, width, height)
-        if max(bins) >= NUM_LOC_BINS or max(codes) >= NUM_SEG_CODES:
-            parsed.append(None)
-        elif bins[2] <= bins[0] or bins[3] <= bins[1] or x1 <= x0 or y1 <= y0:
-            parsed.append(None)
-        else:
-            parsed.append((match.group(3).strip(), box, codes))
-    wanted = [p[2] for p in parsed if p is not None]
-    if wanted and vae is None:
-        vae = load_mask_vae()
-    if wanted:
-        with torch.no_grad():
-            device = vae._vq_vae._embedding.device
-            masks64 = vae.decode(torch.tensor(wanted, device=device))
-        masks64 = iter(masks64.float().cpu().numpy())
+    parsed = [_read_object(p, width, height) for p in pieces]
+    masks64 = iter(_decode([p[2] for p in parsed if p is not None], vae))
     segments = []
     for piece, item in zip(pieces, parsed):
         if item is None:
-            label = re.sub(r"<[^>]*>", "", piece).strip()
-            segments.append(Segment(label, None, None, piece.strip()))
+            segments.append(Segment(_label(piece), None, None, piece.strip()))
             continue
         label, box, _ = item
         mask = _mask_in_box(next(masks64), box, width, height)
@@ -310,6 +331,17 @@ def parse_segments(text: str, width: int, height: int, vae=None):
     return segments
 
 
+def _decode(codes: list, vae) -> list:
+    "Codes [N][16] -> N masks [64, 64] as float32 arrays (none: no VAE read)"
+    if not codes:
+        return []
+    vae = load_mask_vae() if vae is None else vae
+    with torch.no_grad():
+        device = vae._vq_vae._embedding.device
+        masks64 = vae.decode(torch.tensor(codes, device=device))
+    return list(masks64.float().cpu().numpy())
+
+# %% ../book/12b_segmentation.ipynb #6f6d6f10
 def _mask_in_box(mask64: np.ndarray, box, width: int, height: int):
     "A decoded 64 x 64 mask -> [H, W] bool, resized into the box and cut at 0"
     x0, y0, x1, y1 = (int(c) for c in box)
@@ -321,9 +353,11 @@ def _mask_in_box(mask64: np.ndarray, box, width: int, height: int):
     return mask
 
 # %% ../book/12b_segmentation.ipynb #d002
-from .boxes import BOX_COLOURS, draw_boxes
 from .image_processing import to_rgb
 from PIL import ImageColor
+
+# none of them a shape's colour: a mask shows over the shape it covers
+SEGMENT_COLOURS = ("magenta", "cyan", "black", "darkviolet")
 
 
 def draw_segments(
@@ -331,11 +365,28 @@ def draw_segments(
 ) -> Image.Image:
     """A new RGB image: `image` with each valid Segment's mask laid over it
     (`alpha` of the object's colour, 1 - alpha of the image), then its box
-    and label drawn by draw_boxes in the same colour"""
+    and label drawn in the same colour, as draw_boxes draws them"""
+    image = to_rgb(image)
+    shown = _drawable(image, [s for s in segments if s.valid], alpha)
+    pixels = np.asarray(image, dtype=np.float32).copy()  # [H, W, 3]
+    for i, s in enumerate(shown):
+        colour = ImageColor.getrgb(SEGMENT_COLOURS[i % len(SEGMENT_COLOURS)])
+        inside = s.mask.cpu().numpy()
+        pixels[inside] = (1 - alpha) * pixels[inside] + alpha * np.float32(
+            colour
+        )
+    drawn = Image.fromarray(pixels.round().astype(np.uint8))
+    draw = ImageDraw.Draw(drawn)
+    for i, s in enumerate(shown):
+        colour = SEGMENT_COLOURS[i % len(SEGMENT_COLOURS)]
+        _box_and_label(draw, s.box, s.label, colour, width)
+    return drawn
+
+# %% ../book/12b_segmentation.ipynb #50fe2ee8
+def _drawable(image: Image.Image, shown: list, alpha: float) -> list:
+    "The valid segments, checked against the image and alpha"
     if not 0 < alpha <= 1:
         raise ValueError(f"alpha {alpha} must be in (0, 1]: 1 paints solid")
-    image = to_rgb(image)
-    shown = [s for s in segments if s.valid]
     size = (image.height, image.width)
     for s in shown:
         if tuple(s.mask.shape) != size:
@@ -344,15 +395,20 @@ def draw_segments(
                 f"{list(size)}: parse the answer with this image's width and "
                 "height"
             )
-    pixels = np.asarray(image, dtype=np.float32).copy()  # [H, W, 3]
-    for i, s in enumerate(shown):  # colour i: the one draw_boxes gives box i
-        colour = ImageColor.getrgb(BOX_COLOURS[i % len(BOX_COLOURS)])
-        inside = s.mask.cpu().numpy()
-        pixels[inside] = (1 - alpha) * pixels[inside] + alpha * np.float32(
-            colour
-        )
-    blended = Image.fromarray(pixels.round().astype(np.uint8))
-    return draw_boxes(blended, [(s.box, s.label) for s in shown], width)
+    return shown
+
+
+def _box_and_label(draw, box, label: str, colour: str, width: int) -> None:
+    "One box and its label as draw_boxes draws them, in `colour`"
+    x0, y0, x1, y1 = box
+    draw.rectangle((x0, y0, x1, y1), outline=colour, width=width)
+    if label:  # white text on a tab of the box's colour, above the box
+        text_box = draw.textbbox((0, 0), label)
+        w, h = text_box[2] - text_box[0] + 6, text_box[3] - text_box[1] + 6
+        top = y0 - h if y0 - h >= 0 else y0
+        draw.rectangle((x0, top, x0 + w, top + h), fill=colour)
+        ink = "black" if sum(ImageColor.getrgb(colour)) > 500 else "white"
+        draw.text((x0 + 3, top + 3 - text_box[1]), label, fill=ink)
 
 # %% ../book/12b_segmentation.ipynb #w002
 import math
@@ -377,7 +433,7 @@ SEGMENT_PROMPT = "segment {kind}"
 SCENE_OFFSET = 100 * SEEDS_PER_WORLD
 MIN_VISIBLE = 0.5  # each object keeps at least half of its area in view
 
-
+# %% ../book/12b_segmentation.ipynb #5b419714
 def _silhouette(rng: random.Random, kind: str) -> np.ndarray:
     "One shape at a random place, size and angle: [224, 224] bool"
     side = rng.randint(*SIDES)
@@ -405,7 +461,7 @@ def _silhouette(rng: random.Random, kind: str) -> np.ndarray:
         )
     return np.array(canvas) > 0
 
-
+# %% ../book/12b_segmentation.ipynb #87fc3a24
 def _mask_box(mask: np.ndarray) -> tuple[int, int, int, int]:
     "A [H, W] bool mask -> its box (x0, y0, x1, y1), pixel edges"
     ys, xs = np.nonzero(mask)
@@ -432,7 +488,7 @@ def segment_scene(seed: int) -> SegmentScene:
         )
     return _draw_scene(random.Random(SCENE_OFFSET + seed), seed)
 
-
+# %% ../book/12b_segmentation.ipynb #5a3b339b
 def _draw_scene(rng: random.Random, seed: int) -> SegmentScene:
     "The scene `segment_scene(seed)` describes, drawn with `rng`"
     for _ in range(MAX_TRIES):
@@ -477,7 +533,7 @@ def mask_to_64(mask: torch.Tensor, box) -> torch.Tensor:
         crop, size=(MASK_SIZE, MASK_SIZE), mode="bilinear", antialias=True
     )[0, 0]
 
-
+# %% ../book/12b_segmentation.ipynb #86d6a8b2
 def segment_answer(scene: SegmentScene, kind: str, vae=None) -> str:
     """The answer to `segment <kind>`: each instance left to right, ' ; '
     apart; `vae` None: load_mask_vae()"""
@@ -512,7 +568,7 @@ def _answer_vae() -> MaskVAE:
         _ANSWER_VAES[str(path)] = load_mask_vae(path)
     return _ANSWER_VAES[str(path)]
 
-
+# %% ../book/12b_segmentation.ipynb #1ea16e04
 def _segments_example(rng: random.Random, seed: int, task) -> Example:
     "Example `seed` of the segments world: one kind of its scene, segmented"
     scene = _draw_scene(rng, seed)

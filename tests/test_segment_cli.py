@@ -12,7 +12,6 @@ import torch
 from PIL import Image
 from scripted import ANSWER, random_vae_file, scripted_checkpoint
 
-from paligemma_lib.boxes import draw_boxes
 from paligemma_lib.segmentation import (
     Segment,
     draw_segments,
@@ -69,8 +68,9 @@ def test_segment_draws_the_masks_with_the_given_vae(files, tmp_path):
     drawn = np.asarray(Image.open(out).convert("RGB"))
     assert np.array_equal(drawn, np.asarray(draw_segments(image, [segment])))
     # inside the mask, off the box's outline and label, the colour is blended in;
-    # outside the mask, the image is what draw_boxes alone makes of it
-    boxes_only = np.asarray(draw_boxes(image, [(segment.box, "circle")]))
+    # outside the mask, the image is what the box and label alone make of it
+    no_mask = Segment("circle", segment.box, torch.zeros_like(segment.mask), "")
+    boxes_only = np.asarray(draw_segments(image, [no_mask]))
     plain = np.asarray(image)
     mask = segment.mask.numpy()
     off_box = np.all(boxes_only == plain, axis=-1)
@@ -132,11 +132,11 @@ def test_draw_segments_any_mode_and_its_errors():
     drawn = np.asarray(draw_segments(image, found, alpha=1.0))
     assert drawn.shape == (30, 40, 3)
     # (25, 20): inside, away from the outline and the label's tab at the top left
-    assert (drawn[20, 25] == (0, 255, 0)).all()  # lime, the first colour, solid
+    assert (drawn[20, 25] == (255, 0, 255)).all()  # magenta, the first, solid
     assert (drawn[29, 39] == 255).all()  # outside: the white of transparency
     gray = draw_segments(Image.new("L", (40, 30), 90), found, alpha=0.5)
     # 0.5 * 90 + 0.5 * 255 = 172.5, rounded half to even
-    assert gray.mode == "RGB" and gray.getpixel((25, 20)) == (45, 172, 45)
+    assert gray.mode == "RGB" and gray.getpixel((25, 20)) == (172, 45, 172)
     with pytest.raises(ValueError, match=r"parse the answer with this image"):
         draw_segments(Image.new("RGB", (41, 30)), found)
     with pytest.raises(ValueError, match=r"alpha 0 must be in \(0, 1\]"):

@@ -297,6 +297,29 @@ def test_loader_names_a_misshaped_tensor(vae_file, tmp_path):
     assert "[64, 128, 4, 4]" in message and "[128, 64, 4, 4]" in message
 
 
+def test_loader_ignores_exactly_the_ema_buffers(vae_file, tmp_path):
+    "AiT's VectorQuantizerEMA saves its moving averages beside the codebook"
+    path, arrays = vae_file
+    ema = {
+        **arrays,
+        "_vq_vae._ema_cluster_size": np.arange(128, dtype=np.float32),
+        "_vq_vae._ema_w": np.ones((128, 512), np.float32),
+    }
+    np.savez(tmp_path / "vae-oid.npz", **ema)
+    state = load_mask_vae(tmp_path / "vae-oid.npz").state_dict()
+    assert state.keys() == arrays.keys()
+    for key, value in arrays.items():
+        assert np.array_equal(state[key].numpy(), value), key
+    # one of them alone is fine too; at another shape, or another name, refused
+    only = {k: v for k, v in ema.items() if k != "_vq_vae._ema_w"}
+    np.savez(tmp_path / "one.npz", **only)
+    assert load_mask_vae(tmp_path / "one.npz").state_dict().keys() == arrays.keys()
+    message = _refusal(tmp_path, {**ema, "_vq_vae._ema_w": np.ones((128, 64))})
+    assert "'_vq_vae._ema_w'" in message and "[128, 512]" in message
+    message = _refusal(tmp_path, {**ema, "_vq_vae._ema_n": np.ones(1)})
+    assert "'_vq_vae._ema_n'" in message and "does not have" in message
+
+
 def test_loader_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no mask VAE file"):
         load_mask_vae(tmp_path / "vae-oid.npz")
@@ -353,8 +376,9 @@ def test_two_objects_decoded(vae):
     first, second = parse_segments(text, width, height, vae)
     assert (first.label, second.label) == ("red circle", "square")
     assert first.valid and second.valid
+    # the box the mask fills: bin / 1023 x side, cut down to a whole pixel
     assert first.box == tuple(
-        bin_to_coordinate(b, s)
+        int(bin_to_coordinate(b, s))
         for b, s in ((50, width), (100, height), (700, width), (900, height))
     )
     # first box: 203 x 187 pixels, enlarged from 64; second: 62 x 44, shrunk
@@ -366,7 +390,10 @@ def test_two_objects_decoded(vae):
     "bad",
     [
         _loc(10, 10, 500, 500) + _seg(range(15)) + " circle",  # 15 codes
-        _loc(10, 10, 500, 500) + _seg(range(17)) + " circle",  # 17 codes
+        _loc(10, 10, 500, 500) + _seg(range(8)) + " " + _seg(range(8)) + " circle",
+        _loc(10, 10, 500, 500) + " circle " + _seg(range(16)),  # label first
+        "<loc0010><loc0010> <loc0500><loc0500>" + _seg(range(16)) + " circle",
+        _loc(10, 10, 500, 500) + "<loc0005>" + _seg(range(16)) + " circle",
         "<loc0010><loc0010><loc0500>" + _seg(range(16)) + " circle",  # 3 locs
         _loc(500, 10, 10, 500) + _seg(range(16)) + " circle",  # y1 < y0
         _loc(10, 500, 500, 500) + _seg(range(16)) + " circle",  # x1 == x0
@@ -383,6 +410,36 @@ def test_malformed_objects_are_invalid_not_guessed(vae, bad):
     assert segments[1].label == "circle"
     assert segments[1].box is None and segments[1].mask is None
     assert segments[1].text == bad
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        _loc(10, 10, 500, 500) + _seg(range(16)) + _seg([99]) + " circle",  # 17
+        _loc(10, 10, 500, 500) + _seg(range(16)) + _seg([99] * 5) + " circle",
+        _loc(10, 10, 500, 500) + " " + _seg(range(16)) + " circle",  # a space
+        _loc(10, 10, 500, 500) + "\n " + _seg(range(16)) + "circle",
+        " " + _loc(10, 10, 500, 500) + _seg(range(16)) + _seg([5]) + "circle <seg001>",
+    ],
+)
+def test_objects_read_as_the_evaluator_reads_them(vae, text):
+    "big_vision's evaluator: the first 4 <loc> and 16 <seg>, the rest ignored"
+    (plain,) = parse_segments(
+        _loc(10, 10, 500, 500) + _seg(range(16)) + " circle", 100, 100, vae
+    )
+    (got,) = parse_segments(text, 100, 100, vae)
+    assert got.valid and got.label == "circle" and got.text == text.strip()
+    assert got.box == plain.box and torch.equal(got.mask, plain.mask)
+
+
+def test_boxes_are_the_evaluators_whole_pixels(vae):
+    "bin / 1023 x side, cut down: bins 100 and 200 of 224 px are 21 and 43"
+    text = _loc(100, 100, 200, 200) + _seg(range(16)) + " x"
+    (got,) = parse_segments(text, 224, 224, vae)
+    assert got.box == (21, 21, 43, 43)
+    assert all(isinstance(c, int) for c in got.box)
+    assert not got.mask[:21].any() and not got.mask[43:].any()
+    assert not got.mask[:, :21].any() and not got.mask[:, 43:].any()
 
 
 def test_an_empty_answer_has_no_objects(vae):
@@ -447,7 +504,8 @@ def test_segment_answer_round_trip(vae):
     mine = [b for b, k in zip(scene.boxes, scene.labels) if k == "triangle"]
     assert [s.label for s in decoded] == ["triangle", "triangle"]
     for segment, box in zip(decoded, mine):
-        assert max(abs(a - b) for a, b in zip(segment.box, box)) <= 224 / 1023 / 2
+        # half a bin from the true box, then cut down to a whole pixel
+        assert all(b - a in (0, 1) for a, b in zip(segment.box, box))
     crops = torch.stack(
         [
             mask_to_64(m, b)
@@ -632,3 +690,25 @@ def test_segment_metrics_of_true_answers_beat_both_baselines():
     assert empty["mIoU"] == empty["filled box mIoU"] == 0.0
     broken = segment_metrics(examples[:1], ["<loc0001><seg001> circle"])
     assert broken["invalid objects"] == 1 and broken["mIoU"] == 0.0
+
+
+def test_grade_reads_the_vae_once(vae_file, monkeypatch):
+    "grade(vae=None) loads load_mask_vae()'s file once, not once per example"
+    import paligemma_lib.segmentation as segmentation
+    from paligemma_lib.data import KINDS, SyntheticDataset
+    from paligemma_lib.segment_eval import grade
+
+    monkeypatch.setenv("PALIGEMMA_SEG_VAE", str(vae_file[0]))
+    monkeypatch.setattr(segmentation, "_ANSWER_VAES", {})
+    calls, real = [], segmentation.load_mask_vae
+    monkeypatch.setattr(
+        segmentation,
+        "load_mask_vae",
+        lambda path=None: calls.append(path) or real(path),
+    )
+    data = SyntheticDataset("segments", split="validation", size=4)
+    flat = {kind: torch.zeros(64, 64) for kind in KINDS}
+    for i in range(len(data)):
+        ex = data.example(i)
+        assert grade(ex, ex.answer, None, flat)["invalid"] == 0
+    assert calls == [str(vae_file[0])]
