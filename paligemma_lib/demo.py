@@ -40,7 +40,7 @@ TASK_PROMPTS = {
     "segment": "segment {text}",
 }
 
-
+# %% ../book/13_demo.ipynb #e5704ff1
 def task_prompt(task: str, text: str = "") -> str:
     """A task and the user's text -> its prompt, or a ValueError saying what is
     missing"""
@@ -66,7 +66,7 @@ MAX_IMAGE_PIXELS = (
     40_000_000  # 40 megapixels, e.g. 8000 x 5000; the model sees 224 x 224
 )
 
-
+# %% ../book/13_demo.ipynb #807fbe58
 def check_image_pixels(path) -> bool:
     """False if Pillow cannot read `path` as an image; True if it can and its
     header declares at most MAX_IMAGE_PIXELS; else a ValueError, before any
@@ -94,7 +94,7 @@ def check_image_pixels(path) -> bool:
         "to 896 pixels a side): shrink it first"
     )
 
-
+# %% ../book/13_demo.ipynb #aa9b536d
 def open_upload(path) -> Image.Image:
     """An uploaded file -> an RGB image, or a ValueError that says what is
     wrong: not an image, over MAX_IMAGE_BYTES, or over MAX_IMAGE_PIXELS (read
@@ -141,7 +141,7 @@ class TaskAnswer:
     def tokens_per_second(self) -> float:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
 
-
+# %% ../book/13_demo.ipynb #8faac8e7
 def check_length(model, processor, prompt: str, max_new_tokens: int) -> int:
     """The prompt's length in positions (image tokens included), if it leaves
     room"""
@@ -171,22 +171,12 @@ def parse_receipt(text: str) -> tuple[dict | None, str]:
         return None, f"the answer is JSON but not an object: {text}"
     return fields, ""
 
-
-def run_task(
-    model,
-    processor,
-    image: Image.Image,
-    task: str,
-    text: str = "",
-    max_new_tokens: int = 64,
-    seed: int | None = None,
-    **sampling,
-) -> TaskAnswer:
-    """Ask `model` one of the demo's tasks about `image`. sampling: do_sample,
-    temperature, top_k, top_p, as `generate` takes them; `seed` makes a sample
-    reproducible"""
-    prompt = task_prompt(task, text)
-    check_length(model, processor, prompt, max_new_tokens)
+# %% ../book/13_demo.ipynb #1d7abd89
+def _generate_timed(
+    model, processor, image, prompt: str, max_new_tokens: int, seed, sampling
+) -> tuple[list[int], float]:
+    """`generate` on the model's device and dtype, timed -> (the tokens, the
+    seconds it took); `seed` makes a sample reproducible"""
     weight = model.language_model.lm_head.weight
     batch = processor([image], [prompt])
     generator = None
@@ -205,26 +195,48 @@ def run_task(
         generator=generator,
         **sampling,
     )[0].tolist()
-    seconds = time.perf_counter() - begin
+    return tokens, time.perf_counter() - begin
+
+# %% ../book/13_demo.ipynb #e1df64a9
+def _parse_answer(result: TaskAnswer, image: Image.Image) -> TaskAnswer:
+    "The answer's boxes, receipt fields or masks, as its task asks -> result"
+    answer = result.text
+    if result.task == "detect":
+        result.boxes = parse_loc_tokens(answer, image.width, image.height)
+    if result.task == "receipt":
+        result.receipt, result.receipt_error = parse_receipt(answer)
+    if result.task == "segment":
+        result.segments = parse_segments(answer, image.width, image.height)
+    return result
+
+# %% ../book/13_demo.ipynb #bf19eddd
+def run_task(
+    model,
+    processor,
+    image: Image.Image,
+    task: str,
+    text: str = "",
+    max_new_tokens: int = 64,
+    seed: int | None = None,
+    **sampling,
+) -> TaskAnswer:
+    """Ask `model` one of the demo's tasks about `image`. sampling: do_sample,
+    temperature, top_k, top_p, as `generate` takes them; `seed` makes a sample
+    reproducible"""
+    prompt = task_prompt(task, text)
+    check_length(model, processor, prompt, max_new_tokens)
+    tokens, seconds = _generate_timed(
+        model, processor, image, prompt, max_new_tokens, seed, sampling
+    )
     eos = processor.tokenizer.eos_id
     ids = tokens[: tokens.index(eos)] if eos in tokens else tokens
     answer = processor.decode(ids, skip_special_tokens=True)
+    pieces = [processor.tokenizer.id_to_piece(i) for i in ids]
+    truncated = eos not in tokens and len(tokens) == max_new_tokens
     result = TaskAnswer(
-        task,
-        prompt,
-        answer,
-        ids,
-        [processor.tokenizer.id_to_piece(i) for i in ids],
-        seconds,
-        truncated=eos not in tokens and len(tokens) == max_new_tokens,
+        task, prompt, answer, ids, pieces, seconds, truncated=truncated
     )
-    if task == "detect":
-        result.boxes = parse_loc_tokens(answer, image.width, image.height)
-    if task == "receipt":
-        result.receipt, result.receipt_error = parse_receipt(answer)
-    if task == "segment":
-        result.segments = parse_segments(answer, image.width, image.height)
-    return result
+    return _parse_answer(result, image)
 
 # %% ../book/13_demo.ipynb #c019
 def attention_inputs(model, batch) -> list[dict]:
@@ -259,7 +271,7 @@ def attention_inputs(model, batch) -> list[dict]:
             handle.remove()
     return captured
 
-
+# %% ../book/13_demo.ipynb #bc8835f1
 @torch.no_grad()
 def attention_probs(attn, hidden, cos_sin, allowed):
     """GemmaAttention's probabilities [B, H, S, S] and values [B, H, S, d_h],
@@ -306,7 +318,21 @@ def answer_batch(
         k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()
     }
 
+# %% ../book/13_demo.ipynb #c4895861
+def _answer_masks(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix-LM mask of `batch`, and the same with the sliding window of
+    PaliGemma 2's local layers"""
+    allowed = make_prefix_lm_mask(
+        batch["attention_mask"], batch["token_type_ids"]
+    )
+    local = make_prefix_lm_mask(  # PaliGemma 2's local layers: the window too
+        batch["attention_mask"],
+        batch["token_type_ids"],
+        sliding_window=model.config.text.sliding_window,
+    )
+    return allowed, local
 
+# %% ../book/13_demo.ipynb #3bbe8f63
 def answer_attention(
     model, processor, image, prompt: str, answer_ids: list[int]
 ):
@@ -324,14 +350,7 @@ def answer_attention(
     # position S-1+t emits answer token t
     queries = torch.arange(S - 1, S - 1 + T)
     is_image = batch["input_ids"][0] == processor.image_token_id  # [S + T]
-    allowed = make_prefix_lm_mask(
-        batch["attention_mask"], batch["token_type_ids"]
-    )
-    local = make_prefix_lm_mask(  # PaliGemma 2's local layers: the window too
-        batch["attention_mask"],
-        batch["token_type_ids"],
-        sliding_window=model.config.text.sliding_window,
-    )
+    allowed, local = _answer_masks(model, batch)
     side = model.config.vision.image_size // model.config.vision.patch_size
     layers = model.language_model.model.layers
     maps = []

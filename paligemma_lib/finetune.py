@@ -31,7 +31,7 @@ class JsonlError(ValueError):
     """A data folder or JSONL file that cannot be used as it is; the message
     says why"""
 
-
+# %% ../book/12_fine_tuning.ipynb #e9ec771c
 def find_jsonl(path) -> Path:
     "A folder holding exactly one .jsonl file, or a .jsonl file -> that file"
     path = Path(path)
@@ -96,21 +96,36 @@ def check_record(record, folder: Path) -> tuple[Path, str, str]:
         ) from None
     return image, record["prefix"], record["suffix"]
 
+# %% ../book/12_fine_tuning.ipynb #bf5d8772
+def _read_utf8(file: Path) -> str:
+    "The text of `file`, UTF-8 with or without a byte-order mark"
+    try:
+        # a byte-order mark is allowed
+        return file.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise JsonlError(
+            f"{file} is not UTF-8 text (byte {e.start}); save it as UTF-8"
+        ) from None
+
+
+def _bad_lines_error(file: Path, problems: list[str]) -> JsonlError:
+    "One error listing the first MAX_REPORTED problems of `file`"
+    more = len(problems) - MAX_REPORTED
+    listed = problems[:MAX_REPORTED] + (
+        [f"... and {more} more"] if more > 0 else []
+    )
+    return JsonlError(
+        f"{len(problems)} bad line(s) in {file}:\n" + "\n".join(listed)
+    )
+
 # %% ../book/12_fine_tuning.ipynb #c014
 def read_jsonl(path) -> list[tuple[Path, str, str]]:
     """Every line of the JSONL file of `path` (see find_jsonl), checked ->
     [(image path, prefix, suffix)]; a JsonlError naming the file and line of
     each problem found"""
     file = find_jsonl(path)
-    try:
-        # a byte-order mark is allowed
-        text = file.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise JsonlError(
-            f"{file} is not UTF-8 text (byte {e.start}); save it as UTF-8"
-        ) from None
     records, problems = [], []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(_read_utf8(file).splitlines(), 1):
         if not line.strip():
             continue  # blank lines, such as one at the end, are allowed
         try:
@@ -127,13 +142,7 @@ def read_jsonl(path) -> list[tuple[Path, str, str]]:
         except JsonlError as e:
             problems.append(f"{file}, line {number}: {e}")
     if problems:
-        more = len(problems) - MAX_REPORTED
-        listed = problems[:MAX_REPORTED] + (
-            [f"... and {more} more"] if more > 0 else []
-        )
-        raise JsonlError(
-            f"{len(problems)} bad line(s) in {file}:\n" + "\n".join(listed)
-        )
+        raise _bad_lines_error(file, problems)
     if not records:
         raise JsonlError(
             f"{file} holds no examples; add lines such as {EXAMPLE_LINE}"
@@ -190,7 +199,7 @@ def _save_image(image, folder: Path, i: int) -> str:
         )
     return name
 
-
+# %% ../book/12_fine_tuning.ipynb #324ae4ae
 def write_jsonl(examples, folder) -> Path:
     """(image, prefix, suffix) triples -> folder/data.jsonl and folder/images/,
     the format JsonlDataset reads; images are PIL images or file paths. -> the
@@ -240,7 +249,19 @@ def cord_answer(ground_truth) -> str | None:
         return None
     return json.dumps({"total": price.strip()}, separators=(",", ":"))
 
+# %% ../book/12_fine_tuning.ipynb #b7d7a6f7
+def _cord_target(i: int, row) -> str | None:
+    "CORD row i's answer (see cord_answer); a ValueError naming the row"
+    if not isinstance(row, dict) or not {"image", "ground_truth"} <= set(row):
+        raise ValueError(
+            f"CORD row {i} is not a dict with 'image' and 'ground_truth'"
+        )
+    try:
+        return cord_answer(row["ground_truth"])
+    except ValueError as e:
+        raise ValueError(f"CORD row {i}: {e}") from None
 
+# %% ../book/12_fine_tuning.ipynb #b3b805ad
 def cord_to_jsonl(records, folder) -> dict:
     """CORD-v2 rows ({"image": PIL image, "ground_truth": JSON string}, e.g.
     from datasets.load_dataset("naver-clova-ix/cord-v2", split="train")) -> a
@@ -251,18 +272,7 @@ def cord_to_jsonl(records, folder) -> dict:
 
     def examples():
         for i, row in enumerate(records):
-            if not isinstance(row, dict) or not {
-                "image",
-                "ground_truth",
-            } <= set(row):
-                raise ValueError(
-                    f"CORD row {i} is not a dict with 'image' and "
-                    "'ground_truth'"
-                )
-            try:
-                target = cord_answer(row["ground_truth"])
-            except ValueError as e:
-                raise ValueError(f"CORD row {i}: {e}") from None
+            target = _cord_target(i, row)
             if target is None:
                 skipped.append(i)
                 continue
