@@ -286,3 +286,32 @@ def test_run_book_arguments(tmp_path, capsys):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="sees no CUDA GPU"):
             run_book.main(["--device", "cuda", "--book", str(book)])
+
+
+def test_open_code_cells_are_short():
+    """Issue 42: a reader sees each idea in a few lines. Of the code cells the book
+    shows open, at most 10% run past 30 lines and none past 60 (plumbing is folded:
+    tools/cell_lengths.py lists the long ones)"""
+    import cell_lengths
+
+    lengths = {
+        (path.name, i): n for path in CHAPTERS for i, n in cell_lengths.open_cells(path)
+    }
+    too_long = {cell: n for cell, n in lengths.items() if n > cell_lengths.TOO_LONG}
+    assert not too_long, f"open cells past {cell_lengths.TOO_LONG} lines: {too_long}"
+    long = sum(n > cell_lengths.LONG for n in lengths.values())
+    assert long <= 0.10 * len(lengths), f"{long} of {len(lengths)} past 30 lines"
+
+
+def test_a_folded_cell_says_what_it_holds():
+    "A folded code cell's button names what the fold holds, not 'Show code cell source'"
+    for path in CHAPTERS:
+        for i, cell in enumerate(cells(path)):
+            meta = cell.get("metadata", {})
+            if cell["cell_type"] != "code" or "hide-input" not in meta.get("tags", []):
+                continue
+            source = "".join(cell["source"])
+            if source.startswith("# Setup. In Colab"):
+                continue  # the setup cell, the same in every chapter
+            caption = meta.get("mystnb", {}).get("code_prompt_show", "")
+            assert caption.startswith("Show ") and len(caption) > 12, (path.name, i)
