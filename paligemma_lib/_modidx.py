@@ -539,6 +539,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                               'paligemma_lib/quantize.py'),
                                         'paligemma_lib.quantize.Int8Linear.route': ( 'int8.html#int8linear.route',
                                                                                      'paligemma_lib/quantize.py'),
+                                        'paligemma_lib.quantize._check_plain_linear': ( 'int8.html#_check_plain_linear',
+                                                                                        'paligemma_lib/quantize.py'),
                                         'paligemma_lib.quantize.decoder_bytes': ('int8.html#decoder_bytes', 'paligemma_lib/quantize.py'),
                                         'paligemma_lib.quantize.int8_weights': ('int8.html#int8_weights', 'paligemma_lib/quantize.py'),
                                         'paligemma_lib.quantize.quantize_int8': ('int8.html#quantize_int8', 'paligemma_lib/quantize.py')},
