@@ -83,7 +83,7 @@ def pick_device(device=None) -> tuple[torch.device, torch.dtype]:
         return device, torch.bfloat16
     return device, torch.float32
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #cda53bad
 def synchronize(device) -> None:
     "Wait for the work queued on `device`: a CUDA GPU runs asynchronously"
     device = torch.device(device)
