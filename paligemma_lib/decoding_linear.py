@@ -39,7 +39,7 @@ class DecodingLinear(nn.Linear):
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #17bba6e7
 @contextmanager
 def decoding_linears(model: PaliGemmaForConditionalGeneration):
     """Within the block, every nn.Linear of the language model (LM head

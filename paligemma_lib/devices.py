@@ -44,7 +44,7 @@ def stands_in_for_gpu(device) -> bool:
         device.type == "cpu" and device.index == 0 and rehearsal() is not None
     )
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #cc10740e
 def gpu_branch(device, name: str | None = None) -> bool:
     """Whether to take the GPU branch on `device`: on a CUDA device, and on the
     CPU standing in for a T4 (`stands_in_for_gpu`). `name` names a chapter's
@@ -58,7 +58,7 @@ def gpu_branch(device, name: str | None = None) -> bool:
             f.write(name + "\n")
     return taken
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #7090ad4c
 def has_native_bf16(device: torch.device) -> bool:
     """False on a CUDA GPU older than Ampere (compute capability < 8.0, e.g. a
     T4), and on the CPU standing in for a T4; True on other devices"""
@@ -83,7 +83,7 @@ def pick_device(device=None) -> tuple[torch.device, torch.dtype]:
         return device, torch.bfloat16
     return device, torch.float32
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #cda53bad
 def synchronize(device) -> None:
     "Wait for the work queued on `device`: a CUDA GPU runs asynchronously"
     device = torch.device(device)

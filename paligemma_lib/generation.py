@@ -9,6 +9,7 @@ import weakref
 from contextlib import ExitStack
 
 import torch
+from .config import patch_to
 from .decoding_linear import _decoding_linears
 from .gemma import additive_mask
 from .kv_cache import DynamicKVCache, StaticKVCache
@@ -48,12 +49,8 @@ def decode_step(
     scale = torch.tensor(decoder.config.hidden_size**0.5, dtype=dtype)
     hidden = decoder.embed_tokens(token[:, None]) * scale  # [B, 1, D]
     mask = _additive_step_mask(attention_mask, dtype)  # [B, 1, 1, max_length]
-    sliding, window = mask, decoder.config.sliding_window
-    # Gemma 2's local layers: the last `window` keys only
-    if window is not None:
-        keys = torch.arange(mask.shape[-1], device=mask.device)
-        far = keys <= kv_cache.cache_position[-1] - window  # [max_length]
-        sliding = mask.masked_fill(far, torch.finfo(dtype).min)
+    # Gemma 2's local layers: the last `sliding_window` keys only
+    sliding = _sliding_step_mask(mask, decoder.config.sliding_window, kv_cache)
     cos_sin = decoder.rotary_emb(position_ids, dtype)
     for layer in decoder.layers:
         hidden = layer(
@@ -62,6 +59,17 @@ def decode_step(
     hidden = decoder.norm(hidden[:, -1])  # [B, D]
     # [B, V], Gemma 2 capped
     return model.language_model.compute_logits(hidden)
+
+# %% ../book/08_kv_cache_and_generation.ipynb #913adcf7
+def _sliding_step_mask(mask, window, kv_cache) -> torch.Tensor:
+    """The additive step mask of Gemma 2's local layers: also -inf for the keys
+    `window` or more positions behind the new token (the mask itself for no
+    window)"""
+    if window is None:
+        return mask
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    far = keys <= kv_cache.cache_position[-1] - window  # [max_length]
+    return mask.masked_fill(far, torch.finfo(mask.dtype).min)
 
 
 def _additive_step_mask(attention_mask: torch.Tensor, dtype) -> torch.Tensor:
@@ -151,7 +159,7 @@ def _check_greedy(do_sample, temperature, top_k, top_p):
             "defaults)"
         )
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #77d72e03
 def _new_cache(
     model, cache: str, batch_size: int, max_length: int, compile: bool
 ):
@@ -193,7 +201,7 @@ def _new_cache(
         _compiled_caches[model] = (shape, kv_cache)
     return kv_cache
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #f36d70e2
 # model -> ((batch, max_length, dtype, device), its StaticKVCache) for
 # compile=True
 _compiled_caches = weakref.WeakKeyDictionary()
@@ -209,7 +217,7 @@ def _compiled_decode_step(device: torch.device):
         _compiled_steps[device.type] = torch.compile(decode_step, mode=mode)
     return _compiled_steps[device.type]
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #6305fba6
 def _buffers(
     input_ids, attention_mask, token_type_ids, max_new_tokens, pad_token_id
 ):
@@ -253,7 +261,7 @@ def _check_generate(
     _check_greedy(do_sample, temperature, top_k, top_p)
     _check_threads(threads)
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #80d41451
 def _next_tokens(logits, done, sampling, pad_token_id):
     """Logits [B, V] -> (the next tokens [B], `pad_token_id` in the rows
     `done`; whether each row's logits were finite, or the row done [B]).
@@ -271,7 +279,7 @@ def _next_tokens(logits, done, sampling, pad_token_id):
     token = next_token(logits, *sampling)
     return token.masked_fill(done, pad_token_id), finite  # [B] each
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #639a2aff
 class _DecodingSteps:
     """The model's passes in one generate call: `prefill` runs the prompts,
     image included, once; then each call runs the new tokens [B] at
@@ -301,84 +309,90 @@ class _DecodingSteps:
         self.compile, self.context = compile, context
         self.timings = None  # {count: seconds} while the threads are chosen
 
-    def prefill(self, input_ids, attention_mask, token_type_ids):
-        """The prompts -> their last logits [B, V]: eager (prompts differ in
-        length), into a growing cache, copied into the static cache after"""
-        model, cache = self.model, self.cache
-        self.prefill_cache = DynamicKVCache(
-            model.config.text.num_hidden_layers
+# %% ../book/08_kv_cache_and_generation.ipynb #5484e059
+@patch_to(_DecodingSteps)
+def prefill(self, input_ids, attention_mask, token_type_ids):
+    """The prompts -> their last logits [B, V]: eager (prompts differ in
+    length), into a growing cache, copied into the static cache after"""
+    model, cache = self.model, self.cache
+    self.prefill_cache = DynamicKVCache(model.config.text.num_hidden_layers)
+    logits = model(
+        input_ids,
+        self.pixel_values,
+        attention_mask=attention_mask,
+        token_type_ids=token_type_ids,
+        kv_cache=self.prefill_cache if cache != "none" else None,
+        logits_to_keep=1,
+    ).logits[:, -1]  # [B, V]
+    if cache == "static":
+        self.kv_cache.fill(self.prefill_cache)
+        # [B, 1, 1, S + max_new_tokens], built once: a step writes one 0
+        # into it
+        self.keys = _additive_step_mask(
+            self.mask, model.language_model.lm_head.weight.dtype
         )
-        logits = model(
-            input_ids,
+    return logits
+
+# %% ../book/08_kv_cache_and_generation.ipynb #1cd8924f
+@patch_to(_DecodingSteps)
+def __call__(self, token, positions, length: int) -> torch.Tensor:
+    if self.cache == "static":
+        return self._static_step(token, positions, length)
+    ids, mask, types = self.ids, self.mask, self.types
+    mask[:, length - 1] = 1  # the new token is a key from now on
+    if self.cache == "none":
+        return self.model(
+            ids[:, :length],
             self.pixel_values,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            kv_cache=self.prefill_cache if cache != "none" else None,
-            logits_to_keep=1,
-        ).logits[:, -1]  # [B, V]
-        if cache == "static":
-            self.kv_cache.fill(self.prefill_cache)
-            # [B, 1, 1, S + max_new_tokens], built once: a step writes one 0
-            # into it
-            self.keys = _additive_step_mask(
-                self.mask, model.language_model.lm_head.weight.dtype
-            )
-        return logits
-
-    def use_threads(self, threads) -> None:
-        """generate's `threads` for the steps: a count holds until generate
-        returns; "auto", on a CPU with more than one thread, the static cache,
-        uncompiled: the first steps are timed (`_timings`)"""
-        if threads == "auto" and self.cache == "static" and not self.compile:
-            device = self.ids.device  # the prompts'
-            if device.type == "cpu" and torch.get_num_threads() > 1:
-                self.timings = _timings(self.model, self.ids.shape[0])
-        if isinstance(threads, int):
-            self.context.enter_context(intra_op_threads(threads))
-
-    def __call__(self, token, positions, length: int) -> torch.Tensor:
-        if self.cache == "static":
-            return self._static_step(token, positions, length)
-        ids, mask, types = self.ids, self.mask, self.types
-        mask[:, length - 1] = 1  # the new token is a key from now on
-        if self.cache == "none":
-            return self.model(
-                ids[:, :length],
-                self.pixel_values,
-                attention_mask=mask[:, :length],
-                token_type_ids=types[:, :length],
-                logits_to_keep=1,
-            ).logits[:, -1]
-        return self.model(  # "dynamic"
-            token[:, None],
             attention_mask=mask[:, :length],
             token_type_ids=types[:, :length],
-            position_ids=positions,
-            kv_cache=self.prefill_cache,
+            logits_to_keep=1,
         ).logits[:, -1]
+    return self.model(  # "dynamic"
+        token[:, None],
+        attention_mask=mask[:, :length],
+        token_type_ids=types[:, :length],
+        position_ids=positions,
+        kv_cache=self.prefill_cache,
+    ).logits[:, -1]
 
-    def _static_step(self, token, positions, length: int) -> torch.Tensor:
-        "A step of the same shapes as every other: the whole mask, whole cache"
-        self.kv_cache.seek(length - 1)
-        if self.compile and token.device.type == "cuda":
-            # CUDA graphs reuse their outputs: the last logits are used up
-            torch.compiler.cudagraph_mark_step_begin()
-        self.keys[..., length - 1] = 0  # the new token is a key from now on
-        args = (self.model, token, positions, self.keys, self.kv_cache)
-        timings = self.timings
-        n = None if timings is None else _count_to_time(timings)
-        if n is None:
-            # measured: the fastest from now on
-            if timings is not None:
-                fastest = intra_op_threads(fastest_threads(timings))
-                self.context.enter_context(fastest)
-                self.timings = None
-            return self.step(*args)
-        with intra_op_threads(n):  # a step timed with n threads
-            start = time.perf_counter()
-            logits = self.step(*args)
-            _record_timing(timings, n, time.perf_counter() - start)
-        return logits
+# %% ../book/08_kv_cache_and_generation.ipynb #8316a7db
+@patch_to(_DecodingSteps)
+def _static_step(self, token, positions, length: int) -> torch.Tensor:
+    "A step of the same shapes as every other: the whole mask, whole cache"
+    self.kv_cache.seek(length - 1)
+    if self.compile and token.device.type == "cuda":
+        # CUDA graphs reuse their outputs: the last logits are used up
+        torch.compiler.cudagraph_mark_step_begin()
+    self.keys[..., length - 1] = 0  # the new token is a key from now on
+    args = (self.model, token, positions, self.keys, self.kv_cache)
+    timings = self.timings
+    n = None if timings is None else _count_to_time(timings)
+    if n is None:
+        # measured: the fastest from now on
+        if timings is not None:
+            fastest = intra_op_threads(fastest_threads(timings))
+            self.context.enter_context(fastest)
+            self.timings = None
+        return self.step(*args)
+    with intra_op_threads(n):  # a step timed with n threads
+        start = time.perf_counter()
+        logits = self.step(*args)
+        _record_timing(timings, n, time.perf_counter() - start)
+    return logits
+
+# %% ../book/08_kv_cache_and_generation.ipynb #dadaa12b
+@patch_to(_DecodingSteps)
+def use_threads(self, threads) -> None:
+    """generate's `threads` for the steps: a count holds until generate
+    returns; "auto", on a CPU with more than one thread, the static cache,
+    uncompiled: the first steps are timed (`_timings`)"""
+    if threads == "auto" and self.cache == "static" and not self.compile:
+        device = self.ids.device  # the prompts'
+        if device.type == "cpu" and torch.get_num_threads() > 1:
+            self.timings = _timings(self.model, self.ids.shape[0])
+    if isinstance(threads, int):
+        self.context.enter_context(intra_op_threads(threads))
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c038
 @torch.inference_mode()
@@ -484,7 +498,19 @@ import warnings
 class TruncatedAnswerWarning(UserWarning):
     "An answer stopped at max_new_tokens before <eos>: it may be cut short"
 
+# %% ../book/08_kv_cache_and_generation.ipynb #0305d485
+def _warn_cut(cut: list, single: bool, limit: int):
+    "answer's TruncatedAnswerWarning for the rows `cut`, if any"
+    if cut:
+        which = "the answer" if single else f"answers {cut} (0-based)"
+        warnings.warn(
+            f"{which} stopped at max_new_tokens={limit} before <eos>: it may "
+            "be cut short; pass a larger max_new_tokens",
+            TruncatedAnswerWarning,
+            stacklevel=3,  # the caller of answer
+        )
 
+# %% ../book/08_kv_cache_and_generation.ipynb #edc2d9e8
 def answer(
     model: PaliGemmaForConditionalGeneration,
     processor: PaliGemmaProcessor,
@@ -533,12 +559,5 @@ def answer(
         elif eos is not None and len(row) == limit:
             cut.append(i)
         texts.append(processor.decode(row, skip_special_tokens=True))
-    if cut:
-        which = "the answer" if single else f"answers {cut} (0-based)"
-        warnings.warn(
-            f"{which} stopped at max_new_tokens={limit} before <eos>: it may "
-            "be cut short; pass a larger max_new_tokens",
-            TruncatedAnswerWarning,
-            stacklevel=2,
-        )
+    _warn_cut(cut, single, limit)
     return texts[0] if single else texts

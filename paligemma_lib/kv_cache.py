@@ -8,7 +8,7 @@ __all__ = ['DynamicKVCache', 'StaticKVCache']
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c003
 import torch
-from .config import TextConfig
+from .config import TextConfig, patch_to
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c013
 class DynamicKVCache:
@@ -63,52 +63,57 @@ class StaticKVCache:
             max_length,
             config.head_dim,
         )
+        layers = range(config.num_hidden_layers)
         self.keys = [
-            torch.zeros(shape, dtype=dtype, device=device)
-            for _ in range(config.num_hidden_layers)
+            torch.zeros(shape, dtype=dtype, device=device) for _ in layers
         ]
         self.values = [
-            torch.zeros(shape, dtype=dtype, device=device)
-            for _ in range(config.num_hidden_layers)
+            torch.zeros(shape, dtype=dtype, device=device) for _ in layers
         ]
         self.max_length = max_length
         # [S_new]: the positions the next update writes
         self.cache_position = torch.zeros(1, dtype=torch.long, device=device)
 
-    def seek(self, start: int, length: int = 1):
-        "Make the next updates write positions start, ..., start + length - 1"
-        if start < 0 or start + length > self.max_length:
-            raise ValueError(
-                f"positions {start} to {start + length - 1} do not fit a "
-                f"cache of {self.max_length} positions: build it with "
-                "max_length >= prompt length + max_new_tokens"
-            )
-        device = self.keys[0].device
-        self.cache_position = torch.arange(
-            start, start + length, device=device
+# %% ../book/08_kv_cache_and_generation.ipynb #a0be3d22
+@patch_to(StaticKVCache)
+def seek(self, start: int, length: int = 1):
+    "Make the next updates write positions start, ..., start + length - 1"
+    if start < 0 or start + length > self.max_length:
+        raise ValueError(
+            f"positions {start} to {start + length - 1} do not fit a "
+            f"cache of {self.max_length} positions: build it with "
+            "max_length >= prompt length + max_new_tokens"
         )
+    device = self.keys[0].device
+    self.cache_position = torch.arange(start, start + length, device=device)
 
-    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-        """Write key/value [B, K, S_new, d_h] at the positions set by `seek`;
-        return the whole buffers [B, K, max_length, d_h]"""
-        self.keys[layer_idx].index_copy_(2, self.cache_position, key)
-        self.values[layer_idx].index_copy_(2, self.cache_position, value)
-        return self.keys[layer_idx], self.values[layer_idx]
 
-    def fill(self, prefill: DynamicKVCache):
-        """Copy a prefill's keys and values (a growing cache) into positions 0,
-        1, ..."""
-        self.seek(0, prefill.get_seq_length())
-        for layer_idx, (key, value) in enumerate(
-            zip(prefill.keys, prefill.values)
-        ):
-            self.update(layer_idx, key, value)
+@patch_to(StaticKVCache)
+def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
+    """Write key/value [B, K, S_new, d_h] at the positions set by `seek`;
+    return the whole buffers [B, K, max_length, d_h]"""
+    self.keys[layer_idx].index_copy_(2, self.cache_position, key)
+    self.values[layer_idx].index_copy_(2, self.cache_position, value)
+    return self.keys[layer_idx], self.values[layer_idx]
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        "Not defined: every step attends over all max_length positions"
-        raise TypeError(
-            "a StaticKVCache attends over all its max_length positions, "
-            "written or not, so the model's forward cannot size its masks "
-            "from it: prefill with a DynamicKVCache and copy it in with "
-            "fill(), then decode with decode_step"
-        )
+# %% ../book/08_kv_cache_and_generation.ipynb #c8962688
+@patch_to(StaticKVCache)
+def fill(self, prefill: DynamicKVCache):
+    """Copy a prefill's keys and values (a growing cache) into positions 0,
+    1, ..."""
+    self.seek(0, prefill.get_seq_length())
+    for layer_idx, (key, value) in enumerate(
+        zip(prefill.keys, prefill.values)
+    ):
+        self.update(layer_idx, key, value)
+
+
+@patch_to(StaticKVCache)
+def get_seq_length(self, layer_idx: int = 0) -> int:
+    "Not defined: every step attends over all max_length positions"
+    raise TypeError(
+        "a StaticKVCache attends over all its max_length positions, "
+        "written or not, so the model's forward cannot size its masks "
+        "from it: prefill with a DynamicKVCache and copy it in with "
+        "fill(), then decode with decode_step"
+    )

@@ -8,15 +8,16 @@ __all__ = ['INT8_MAX', 'HALF', 'DECODER_LINEARS', 'int8_weights', 'Int8Linear',
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from .config import patch_to
 
 __doc__ = """int8 weight-only quantisation (chapter 8.1): the decoder's Linear
 layers hold int8 weights and one scale per output channel, dequantised inside
 the product."""
 
-# %% ../book/08b_int8.ipynb #q006
+# %% ../book/08b_int8.ipynb #c49c4f1f
 INT8_MAX = 127  # symmetric codes -127..127: -q is always a code too
 
-
+# %% ../book/08b_int8.ipynb #q006
 def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight [out, in] -> (q [out, in] int8, scale [out] in weight's dtype),
     per output channel and symmetric: q * scale[:, None] is within scale / 2 of
@@ -34,10 +35,7 @@ def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.round(w / scale.float()[:, None]).clamp(-INT8_MAX, INT8_MAX)
     return q.to(torch.int8), scale
 
-# %% ../book/08b_int8.ipynb #q010
-HALF = (torch.bfloat16, torch.float16)  # the activations the CPU kernel takes
-
-
+# %% ../book/08b_int8.ipynb #c882cf66
 class Int8Linear(nn.Module):
     """A Linear layer with int8 weights, one scale per output channel:
     y = (x @ q^T) * scale + bias, computed in x's dtype (float32 on a CPU:
@@ -67,98 +65,117 @@ class Int8Linear(nn.Module):
         # CPU tensor, not a buffer, so neither state nor moved by .to()
         self.unit_scale = torch.ones(out_features, dtype=torch.bfloat16)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        """The int8 form of an nn.Linear (its weight's codes and scales; its
-        bias as is)"""
-        w = linear.weight
-        new = cls(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            dtype=w.dtype,
-            device=w.device,
+# %% ../book/08b_int8.ipynb #d1b1b678
+@patch_to(Int8Linear)
+@classmethod
+def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+    """The int8 form of an nn.Linear (its weight's codes and scales; its
+    bias as is)"""
+    w = linear.weight
+    new = cls(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        dtype=w.dtype,
+        device=w.device,
+    )
+    new.weight_int8, new.weight_scale = int8_weights(w)
+    if linear.bias is not None:
+        new.bias = nn.Parameter(
+            linear.bias.detach().clone(), requires_grad=False
         )
-        new.weight_int8, new.weight_scale = int8_weights(w)
-        if linear.bias is not None:
-            new.bias = nn.Parameter(
-                linear.bias.detach().clone(), requires_grad=False
-            )
-        return new
+    return new
 
-    def dequantize(self) -> torch.Tensor:
-        "The float weight it stands for: q * scale, [out, in]"
-        return (
-            self.weight_int8.to(self.weight_scale.dtype)
-            * self.weight_scale[:, None]
+
+@patch_to(Int8Linear)
+def dequantize(self) -> torch.Tensor:
+    "The float weight it stands for: q * scale, [out, in]"
+    return (
+        self.weight_int8.to(self.weight_scale.dtype)
+        * self.weight_scale[:, None]
+    )
+
+# %% ../book/08b_int8.ipynb #24b53757
+@patch_to(Int8Linear)
+def extra_repr(self) -> str:
+    return (
+        f"in_features={self.in_features}, "
+        f"out_features={self.out_features}, bias={self.bias is not None}, "
+        f"scale dtype={self.weight_scale.dtype}"
+    )
+
+# %% ../book/08b_int8.ipynb #4a28e1d0
+HALF = (torch.bfloat16, torch.float16)  # the activations the CPU kernel takes
+
+
+@patch_to(Int8Linear)
+def route(self, x: torch.Tensor) -> str:
+    """How forward multiplies x: "int8 kernel" (a CPU, 16-bit x and scales
+    of x's dtype), "int8 kernel, bfloat16" (a CPU, float32 x: rounded to
+    bfloat16 for the kernel, the scale applied in float32 after it) or
+    "cast" (cast_product: a GPU, float64, or widths the kernel cannot
+    take: it needs a multiple of 16 inputs, and crashes on others)"""
+    if x.device.type != "cpu" or self.in_features % 16:
+        return "cast"
+    if x.dtype == self.weight_scale.dtype in HALF:
+        return "int8 kernel"
+    return "int8 kernel, bfloat16" if x.dtype == torch.float32 else "cast"
+
+
+@patch_to(Int8Linear)
+def forward(self, x: torch.Tensor) -> torch.Tensor:
+    route = self.route(x)
+    if route == "int8 kernel":
+        y = self.kernel_product(x, self.weight_scale)
+    elif route == "int8 kernel, bfloat16":
+        x_bf16 = x.to(torch.bfloat16)
+        y = self.kernel_product(x_bf16, self.unit_scale)  # the sum, bf16
+        y = y.to(x.dtype) * self.weight_scale.to(x.dtype)
+    else:
+        y = self.cast_product(x)
+    return y if self.bias is None else y + self.bias.to(x.dtype)
+
+# %% ../book/08b_int8.ipynb #928c5472
+@patch_to(Int8Linear)
+def kernel_product(self, x: torch.Tensor, scale: torch.Tensor):
+    """PyTorch's weight-only int8 kernel on the CPU: x's rows times the
+    codes as they are, summed in float32, times scale, in x's dtype"""
+    rows = x.reshape(-1, self.in_features).contiguous()  # [M, in]
+    y = torch._weight_int8pack_mm(rows, self.weight_int8, scale)
+    return y.reshape(*x.shape[:-1], self.out_features)  # [.., out]
+
+
+@patch_to(Int8Linear)
+def cast_product(self, x: torch.Tensor) -> torch.Tensor:
+    """x @ (q * scale)^T through the codes cast to x's dtype (a copy of
+    the weight each call). The scale is per output, so it comes out of the
+    sum onto the output, except in float16: there the sum of x times codes
+    up to 127 would be 127/max|W| times the output and overflow, so the
+    codes are scaled first, a weight of the output's size"""
+    codes, scale = (
+        self.weight_int8.to(x.dtype),
+        self.weight_scale.to(x.dtype),
+    )
+    if x.dtype == torch.float16:
+        return F.linear(x, codes.mul_(scale[:, None]))  # [.., out]
+    return F.linear(x, codes) * scale  # [.., out]
+
+# %% ../book/08b_int8.ipynb #5fb3214d
+@patch_to(Int8Linear)
+def _apply(self, fn, recurse=True):
+    # what .to(dtype), .half(), .float() and .to(device) run on each
+    # tensor: a device is free to change, the scales' dtype is not
+    old = self.weight_scale
+    new = fn(torch.empty(0, dtype=old.dtype, device=old.device)).dtype
+    if new != old.dtype:
+        raise ValueError(
+            f"an int8 layer's scales cannot change dtype ({old.dtype} "
+            f"-> {new}): the codes were chosen for these scales, and "
+            "rounded ones would move a weight by more than half a step; "
+            "choose the dtype first, then quantise (load_pretrained("
+            "path, dtype=..., quantize='int8'))"
         )
-
-    def route(self, x: torch.Tensor) -> str:
-        """How forward multiplies x: "int8 kernel" (a CPU, 16-bit x and scales
-        of x's dtype), "int8 kernel, bfloat16" (a CPU, float32 x: rounded to
-        bfloat16 for the kernel, the scale applied in float32 after it) or
-        "cast" (cast_product: a GPU, float64, or widths the kernel cannot
-        take: it needs a multiple of 16 inputs, and crashes on others)"""
-        if x.device.type != "cpu" or self.in_features % 16:
-            return "cast"
-        if x.dtype == self.weight_scale.dtype in HALF:
-            return "int8 kernel"
-        return "int8 kernel, bfloat16" if x.dtype == torch.float32 else "cast"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        route = self.route(x)
-        if route == "int8 kernel":
-            y = self.kernel_product(x, self.weight_scale)
-        elif route == "int8 kernel, bfloat16":
-            x_bf16 = x.to(torch.bfloat16)
-            y = self.kernel_product(x_bf16, self.unit_scale)  # the sum, bf16
-            y = y.to(x.dtype) * self.weight_scale.to(x.dtype)
-        else:
-            y = self.cast_product(x)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
-
-    def kernel_product(self, x: torch.Tensor, scale: torch.Tensor):
-        """PyTorch's weight-only int8 kernel on the CPU: x's rows times the
-        codes as they are, summed in float32, times scale, in x's dtype"""
-        rows = x.reshape(-1, self.in_features).contiguous()  # [M, in]
-        y = torch._weight_int8pack_mm(rows, self.weight_int8, scale)
-        return y.reshape(*x.shape[:-1], self.out_features)  # [.., out]
-
-    def cast_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ (q * scale)^T through the codes cast to x's dtype (a copy of
-        the weight each call). The scale is per output, so it comes out of the
-        sum onto the output, except in float16: there the sum of x times codes
-        up to 127 would be 127/max|W| times the output and overflow, so the
-        codes are scaled first, a weight of the output's size"""
-        codes, scale = (
-            self.weight_int8.to(x.dtype),
-            self.weight_scale.to(x.dtype),
-        )
-        if x.dtype == torch.float16:
-            return F.linear(x, codes.mul_(scale[:, None]))  # [.., out]
-        return F.linear(x, codes) * scale  # [.., out]
-
-    def _apply(self, fn, recurse=True):
-        # what .to(dtype), .half(), .float() and .to(device) run on each
-        # tensor: a device is free to change, the scales' dtype is not
-        old = self.weight_scale
-        new = fn(torch.empty(0, dtype=old.dtype, device=old.device)).dtype
-        if new != old.dtype:
-            raise ValueError(
-                f"an int8 layer's scales cannot change dtype ({old.dtype} "
-                f"-> {new}): the codes were chosen for these scales, and "
-                "rounded ones would move a weight by more than half a step; "
-                "choose the dtype first, then quantise (load_pretrained("
-                "path, dtype=..., quantize='int8'))"
-            )
-        return super()._apply(fn, recurse)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, "
-            f"out_features={self.out_features}, bias={self.bias is not None}, "
-            f"scale dtype={self.weight_scale.dtype}"
-        )
+    return super(Int8Linear, self)._apply(fn, recurse)
 
 # %% ../book/08b_int8.ipynb #q014
 # the attention's and the MLP's projections of a decoder layer (chapter 5); the
@@ -173,7 +190,19 @@ DECODER_LINEARS = (
     "down_proj",
 )
 
+# %% ../book/08b_int8.ipynb #1de7faab
+def _check_plain_linear(module, where: str):
+    "quantize_int8's refusals: a layer quantised already, or not an nn.Linear"
+    if isinstance(module, Int8Linear):
+        raise ValueError("the model is already quantised to int8")
+    if type(module) is not nn.Linear:
+        raise ValueError(
+            f"{where} is a {type(module).__name__}, not an "
+            "nn.Linear: quantize_int8 takes a plain model "
+            "(merge_lora(model) first, or load it again)"
+        )
 
+# %% ../book/08b_int8.ipynb #15c79b49
 def quantize_int8(model) -> list[str]:
     """Replace, in place, the decoder layers' Linear layers (attention and MLP)
     of a PaliGemma model (or of its GemmaForCausalLM) by Int8Linear; the names
@@ -191,21 +220,14 @@ def quantize_int8(model) -> list[str]:
         parent, _, child = name.rpartition(".")
         if child not in DECODER_LINEARS:
             continue
-        if isinstance(module, Int8Linear):
-            raise ValueError("the model is already quantised to int8")
-        if type(module) is not nn.Linear:
-            raise ValueError(
-                f"{prefix}{name} is a {type(module).__name__}, not an "
-                "nn.Linear: quantize_int8 takes a plain model "
-                "(merge_lora(model) first, or load it again)"
-            )
+        _check_plain_linear(module, prefix + name)
         setattr(
             layers.get_submodule(parent), child, Int8Linear.from_linear(module)
         )
         names.append(prefix + name)
     return names
 
-
+# %% ../book/08b_int8.ipynb #f9c79fb6
 def decoder_bytes(model) -> dict:
     """Bytes a decoding step reads of the language model's weights, by part:
     the decoder layers' Linears (int8 codes and scales once quantised), their

@@ -56,7 +56,7 @@ def _check_sampling(temperature, top_k, top_p):
             "filtering"
         )
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #d0576548
 def next_token(
     logits: torch.Tensor,
     do_sample: bool = False,

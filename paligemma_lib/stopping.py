@@ -8,6 +8,7 @@ __all__ = ['NonFiniteLogitsError']
 
 # %% ../book/08_kv_cache_and_generation.ipynb #c003f
 import torch
+from .config import patch_to
 
 __doc__ = """When generation stops (chapter 8): each decoding step's flags,
 finite logits and every row finished, read on the host without waiting for
@@ -47,29 +48,31 @@ class _StepFlags:
             event.record()
         self.pending.append((step, event))
 
-    def first_stop(self, wait: bool = False):
-        """Read the flags that have arrived (all of them if `wait`, else
-        waiting only for those more than `max_lag` steps old), in step order.
-        Raise NonFiniteLogitsError at the first step with NaN or infinite
-        logits; return the first step after which every row has finished, or
-        None"""
-        while self.pending:
-            step, event = self.pending[0]
-            if event is not None and not event.query():
-                if not wait and len(self.pending) <= self.max_lag:
-                    return None
-                # waits for an older step than the one queued
-                event.synchronize()
-            self.pending.pop(0)
-            finite, finished = self.values[step]  # [B] each
-            if not finite.all():
-                raise NonFiniteLogitsError(
-                    f"the logits for new token {step + 1} are NaN or infinite "
-                    f"(batch rows {(~finite).nonzero()[0].tolist()}): the "
-                    "weights or the image hold NaN or inf, or float16 "
-                    "overflowed; check the checkpoint, or load it in float32 "
-                    "or bfloat16"
-                )
-            if finished.all():
-                return step
-        return None
+# %% ../book/08_kv_cache_and_generation.ipynb #350e6f4b
+@patch_to(_StepFlags)
+def first_stop(self, wait: bool = False):
+    """Read the flags that have arrived (all of them if `wait`, else
+    waiting only for those more than `max_lag` steps old), in step order.
+    Raise NonFiniteLogitsError at the first step with NaN or infinite
+    logits; return the first step after which every row has finished, or
+    None"""
+    while self.pending:
+        step, event = self.pending[0]
+        if event is not None and not event.query():
+            if not wait and len(self.pending) <= self.max_lag:
+                return None
+            # waits for an older step than the one queued
+            event.synchronize()
+        self.pending.pop(0)
+        finite, finished = self.values[step]  # [B] each
+        if not finite.all():
+            raise NonFiniteLogitsError(
+                f"the logits for new token {step + 1} are NaN or infinite "
+                f"(batch rows {(~finite).nonzero()[0].tolist()}): the "
+                "weights or the image hold NaN or inf, or float16 "
+                "overflowed; check the checkpoint, or load it in float32 "
+                "or bfloat16"
+            )
+        if finished.all():
+            return step
+    return None

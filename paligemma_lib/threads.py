@@ -41,7 +41,7 @@ def thread_candidates(available: int) -> list[int]:
         counts.append(counts[-1] // 2)
     return counts
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #031009e6
 THREAD_TIMINGS = 2  # decoding steps timed per candidate count
 # model -> {(batch size, threads available): {count: [seconds of a step, ...]}}
 _step_timings = weakref.WeakKeyDictionary()
@@ -62,7 +62,7 @@ def _check_threads(threads):
             "fastest, or None to keep torch's"
         )
 
-
+# %% ../book/08_kv_cache_and_generation.ipynb #d01fb6fa
 def _timings(model, batch_size: int) -> dict:
     """{count: [seconds, ...]}: the steps timed so far for this model and batch
     size"""
