@@ -577,6 +577,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                               'paligemma_lib/quantize.py'),
                                         'paligemma_lib.quantize.Int8Linear.route': ( 'int8.html#int8linear.route',
                                                                                      'paligemma_lib/quantize.py'),
+                                        'paligemma_lib.quantize.Int8Linear.sum_product': ( 'int8.html#int8linear.sum_product',
+                                                                                           'paligemma_lib/quantize.py'),
                                         'paligemma_lib.quantize._check_plain_linear': ( 'int8.html#_check_plain_linear',
                                                                                         'paligemma_lib/quantize.py'),
                                         'paligemma_lib.quantize.decoder_bytes': ('int8.html#decoder_bytes', 'paligemma_lib/quantize.py'),

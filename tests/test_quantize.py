@@ -21,6 +21,7 @@ from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
 from paligemma_lib.quantize import (
     DECODER_LINEARS,
     INT8_MAX,
+    SUM_ROWS,
     Int8Linear,
     int8_weights,
     quantize_int8,
@@ -99,6 +100,51 @@ def test_forward_is_the_dequantised_product_and_within_the_bound():
         x64.abs(), linear.weight.double().abs(), linear.bias.double().abs()
     )
     assert ((y_int8.double() - y.double()).abs() <= bound + both).all()
+
+
+def compiled_graph(module, x):
+    "The FX graph torch.compile traces for module(x), and its output"
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.graph)
+        return gm.forward
+
+    torch._dynamo.reset()
+    y = torch.compile(module, backend=backend)(x)
+    return graphs[0], y
+
+
+@pytest.mark.parametrize("rows", [1, 5, SUM_ROWS])
+def test_compiled_decoding_rows_take_the_sum_route(rows):
+    """Compiled, a few rows (decoding) multiply as a product and a sum over the
+    inputs: Inductor fuses it, where it hands the cast's F.linear to
+    torch._weight_int8pack_mm, whose CUDA kernel took 10x as long on an H200
+    (benchmarks/results/int8-profile-h200-20261126-0527.json)"""
+    torch.manual_seed(0)
+    linear = nn.Linear(40, 24, bias=True)  # 40 inputs: the cast route on a CPU
+    layer = Int8Linear.from_linear(linear)
+    x = torch.randn(rows, 40)
+    graph, y = compiled_graph(layer, x)
+    targets = {str(node.target) for node in graph.nodes}
+    assert "sum" in targets and not any("linear" in t for t in targets), targets
+    with torch.no_grad():
+        eager = layer.cast_product(x) + layer.bias
+    q64, s64 = layer.weight_int8.double(), layer.weight_scale.double()
+    magnitudes = F.linear(x.double().abs(), (q64 * s64[:, None]).abs())
+    magnitudes += layer.bias.double().abs()
+    # each side: 40 products summed, the scaling and the bias in float32
+    # (gamma_42 of the magnitudes each), in either order
+    bound = 2 * gamma(40 + 2, U32) * magnitudes
+    assert ((y.double() - eager.double()).abs() <= bound).all()
+
+
+def test_compiled_prefill_rows_keep_the_cast_route():
+    "More rows than SUM_ROWS (a prompt): the product and sum would be [rows, out, in]"
+    torch.manual_seed(0)
+    layer = Int8Linear.from_linear(nn.Linear(40, 24))
+    graph, _ = compiled_graph(layer, torch.randn(SUM_ROWS + 1, 40))
+    assert any("linear" in str(node.target) for node in graph.nodes)
 
 
 def tiny_model(seed=0) -> PaliGemmaForConditionalGeneration:
