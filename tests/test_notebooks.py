@@ -310,8 +310,5 @@ def test_a_folded_cell_says_what_it_holds():
             meta = cell.get("metadata", {})
             if cell["cell_type"] != "code" or "hide-input" not in meta.get("tags", []):
                 continue
-            source = "".join(cell["source"])
-            if source.startswith("# Setup. In Colab"):
-                continue  # the setup cell, the same in every chapter
             caption = meta.get("mystnb", {}).get("code_prompt_show", "")
             assert caption.startswith("Show ") and len(caption) > 12, (path.name, i)

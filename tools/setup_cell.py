@@ -68,7 +68,13 @@ def write(path: Path) -> None:
         "cell_type": "code",
         "execution_count": None,
         "id": "setup",
-        "metadata": {"tags": ["hide-input"]},  # folded in the rendered book
+        "metadata": {  # folded in the rendered book, its button saying what it is
+            "mystnb": {
+                "code_prompt_show": "Show the setup (in Colab: installs the library)",
+                "code_prompt_hide": "Hide the setup",
+            },
+            "tags": ["hide-input"],
+        },
         "outputs": [],
         "source": source.splitlines(keepends=True),
     }
