@@ -139,6 +139,29 @@ def test_compiled_decoding_rows_take_the_sum_route(rows):
     assert ((y.double() - eager.double()).abs() <= bound).all()
 
 
+def test_compiled_float16_sum_scales_the_codes_first():
+    """float16 as cast_product does it: the codes scaled before the products, so no
+    product of an activation and a code up to 127 leaves float16's range"""
+    torch.manual_seed(0)
+    linear = nn.Linear(40, 24).half()  # 40: the cast route on a CPU
+    with torch.no_grad():
+        linear.weight.mul_(0.05)  # a real layer's weights: |w| well under 1
+    layer = Int8Linear.from_linear(linear)
+    x = (torch.randn(2, 40) * 300).half()  # x * 127 * ... would overflow unscaled
+    graph, y = compiled_graph(layer, x)
+    assert "sum" in {str(node.target) for node in graph.nodes}
+    assert torch.isfinite(y).all()
+    q64, s64 = layer.weight_int8.double(), layer.weight_scale.double()
+    w_hat = q64 * s64[:, None]
+    reference = F.linear(x.double(), w_hat, linear.bias.double())
+    magnitudes = F.linear(x.double().abs(), w_hat.abs(), linear.bias.double().abs())
+    # float16 (u = 2^-11): the scaled codes and the products rounded once each, 40
+    # terms summed, the bias added: gamma_67 of the magnitudes
+    assert (
+        (y.double() - reference).abs() <= gamma(40 + 3, 2.0**-11) * magnitudes
+    ).all()
+
+
 def test_compiled_prefill_rows_keep_the_cast_route():
     "More rows than SUM_ROWS (a prompt): the product and sum would be [rows, out, in]"
     torch.manual_seed(0)
