@@ -4,8 +4,9 @@
 # (and the later chapters named in the cell markers).
 
 # %% auto #0
-__all__ = ['AVERAGE_SEEDS', 'METHODS', 'matched_ious', 'average_masks', 'baseline',
-           'grade', 'summarize', 'segment_metrics']
+__all__ = ['AVERAGE_SEEDS', 'METHODS', 'KINDS_OF_TARGET', 'matched_ious',
+           'average_masks', 'baseline', 'grade', 'summarize',
+           'segment_metrics', 'target_losses']
 
 # %% ../book/12b_segmentation.ipynb #e002
 import numpy as np
@@ -20,10 +21,12 @@ from paligemma_lib.segmentation import (
     parse_segments,
     segment_scene,
 )
+from .tokenization import LOC_TOKENS, SEG_TOKENS
 
 __doc__ = """How good predicted masks are (chapter 12.1): mIoU object by
 object as big_vision's evaluator computes it, and two baselines in the model's
-own boxes: the filled box and the class's average mask."""
+own boxes: the filled box and the class's average mask; the teacher-forced
+loss at each kind of answer token (`target_losses`)."""
 
 AVERAGE_SEEDS = VAE_TRAIN_SEEDS[:1000]  # training scenes: the average masks
 
@@ -142,3 +145,38 @@ def segment_metrics(examples: list, predictions: list, vae=None) -> dict:
         for ex, text in zip(examples, predictions, strict=True)
     ]
     return summarize([ex.labels[0] for ex in examples], grades)
+
+# %% ../book/12b_segmentation.ipynb #470c54d6
+KINDS_OF_TARGET = ("loc", "seg", "text")
+
+
+@torch.no_grad()
+def target_losses(model, batches: list, tokenizer) -> dict:
+    """Mean teacher-forced loss per answer token of `batches` (PaliGemmaBatch
+    with labels), apart for <loc> and <seg> targets and the rest ("text")"""
+    groups = {
+        kind: torch.tensor([tokenizer.piece_to_id(p) for p in pieces])
+        for kind, pieces in (("loc", LOC_TOKENS), ("seg", SEG_TOKENS))
+    }
+    sums = dict.fromkeys(KINDS_OF_TARGET, 0.0)
+    counts = dict.fromkeys(KINDS_OF_TARGET, 0)
+    was_training = model.training
+    model.eval()
+    for batch in batches:
+        logits = model(
+            input_ids=batch.input_ids,
+            pixel_values=batch.pixel_values,
+            attention_mask=batch.attention_mask,
+            token_type_ids=batch.token_type_ids,
+        ).logits[:, :-1]
+        labels = batch.labels[:, 1:]  # position t predicts token t + 1
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().transpose(1, 2), labels, reduction="none"
+        )  # 0 where the label is -100 (ignored)
+        where = {k: torch.isin(labels, ids) for k, ids in groups.items()}
+        where["text"] = (labels != -100) & ~where["loc"] & ~where["seg"]
+        for kind, mask in where.items():
+            sums[kind] += loss[mask].sum().item()
+            counts[kind] += int(mask.sum())
+    model.train(was_training)
+    return {k: sums[k] / counts[k] for k in KINDS_OF_TARGET}

@@ -26,9 +26,10 @@ to DIR as soon as it has results, so that a run cut short returns what it did:
    time, examples per second, peak memory and metrics on 96 fresh test receipts;
    then a LoRA step of PaliGemma-3B's shapes (random weights) under the same cap, its
    frozen weights in float32 (what `pick_device` gives a T4) and in float16.
-3. segment: the `segment` adapter's recipe at a GPU's scale against full
-   fine-tuning, side by side for the same minutes; the choice on validation scenes;
-   the LoRA adapter comes back as one file, graded on fresh test scenes by --ingest.
+3. segment: the `segment` adapter's recipe at a GPU's scale beside the same adapter
+   with the <seg> rows trained (chapter 12.1's comparison), side by side for the same
+   minutes; the choice on validation scenes; the chosen adapter comes back as one
+   file, graded on fresh test scenes by --ingest.
 4. speed: benchmarks/gpu.py --short at PaliGemma-3B's shapes (random bf16 weights).
 
 DIR receives at most 8 files: `FILES`. --ingest DIR (on this machine) puts them where
@@ -80,11 +81,12 @@ WHEELS = (
 ).split()
 T4_MEMORY = 15 * 2**30  # what Colab's T4 offers a process
 T4_WORKERS = 2  # Colab's CPU cores
-SEGMENT_RUNS = {  # today's shipped recipe, and every weight trained (<seg> rows too)
-    "lora": ["--lora", "--lora-targets", "all", "--lora-r", "16", "--lora-alpha", "32",
-             "--lr", "2e-3"],
-    "full": ["--lr", "3e-4"],
-}  # fmt: skip
+# the shipped adapter's recipe, and the winner of chapter 12.1's comparison on the
+# CPU (tools/compare_segment_recipes.py): the same adapter with the 128 <seg> rows of
+# the tied embedding trained too
+SEGMENT_LORA = ["--lora", "--lora-targets", "all", "--lora-r", "16",
+                "--lora-alpha", "32", "--lr", "2e-3"]  # fmt: skip
+SEGMENT_RUNS = {"lora": SEGMENT_LORA, "rows": [*SEGMENT_LORA, "--lora-tokens", "seg"]}
 SEGMENT_VALIDATION = 64  # validation scenes the choice reads
 SEGMENT_TEST_START = 1300  # --ingest grades from here on, after the shipped
 SEGMENT_TEST_SCENES = 300  # adapter's own test scenes: none has been seen
@@ -430,7 +432,7 @@ def segment(run: Run, budget: float) -> dict:
     for name in finished:
         record = json.loads((work / name / "training_record.json").read_text())
         n = 8 if run.rehearse else SEGMENT_VALIDATION
-        metrics = segment_grade(work / name, name == "lora", "validation", 0, n)
+        metrics = segment_grade(work / name, "validation", 0, n)
         result["runs"][name] = {
             "seconds": record["seconds"],
             "examples_per_s": round(steps * size / record["seconds"], 1),
@@ -441,16 +443,15 @@ def segment(run: Run, budget: float) -> dict:
         return result
     best = max(finished, key=lambda n: result["runs"][n]["validation"]["mIoU"])
     result["chosen on validation"] = best
-    if "lora" in finished:
-        with tarfile.open(run.out / "segment-adapter.tar", "w") as tar:
-            for file in ("adapter_config.json", "adapter_model.safetensors",
-                         "training_record.json"):  # fmt: skip
-                tar.add(work / "lora" / file, arcname=file)
+    with tarfile.open(run.out / "segment-adapter.tar", "w") as tar:  # the chosen
+        for file in ("adapter_config.json", "adapter_model.safetensors",
+                     "training_record.json"):  # fmt: skip
+            tar.add(work / best / file, arcname=file)
     return result
 
 
-def segment_grade(folder: Path, adapter: bool, split: str, start: int, n: int):
-    "Chapter 12.1's metrics of a run's model on `n` scenes of `split`"
+def segment_grade(folder: Path, split: str, start: int, n: int):
+    "Chapter 12.1's metrics of a run's adapter on `n` scenes of `split`"
     from evaluate_segment import grade_scenes
 
     from paligemma_lib import PaliGemmaProcessor, load_pretrained
@@ -458,10 +459,9 @@ def segment_grade(folder: Path, adapter: bool, split: str, start: int, n: int):
     from paligemma_lib.devices import pick_device
 
     device, _ = pick_device()  # float32: the grade, not the speed, counts
-    model = load_pretrained("nano" if adapter else folder, device=device)
-    if adapter:
-        load_adapter(model, folder)
-        model.to(device)
+    model = load_pretrained("nano", device=device)
+    load_adapter(model, folder)
+    model.to(device)
     processor = PaliGemmaProcessor.from_pretrained("nano")
     return grade_scenes(model.eval(), processor, split, start, n, batch_size=64)[3]
 

@@ -539,7 +539,9 @@ def gpu_run_speed(parts: dict, env: dict) -> str:
         ]
     runs = parts.get("segment", {}).get("runs", {})
     for name, r in runs.items():
-        what = "LoRA" if name == "lora" else "every weight"
+        what = {"lora": "LoRA", "rows": "LoRA and the <seg> rows"}.get(
+            name, "every weight"
+        )
         lines.append(
             f"Training nano on the segments world ({what}, batch "
             f"{parts['segment']['batch_size']}, "
