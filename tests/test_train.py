@@ -824,6 +824,7 @@ def test_a_resumed_lora_run_ends_bit_for_bit_equal(tmp_path, rows):
         (["--model", "nano", "--lora", "--lora-targets", "nope"], ["nope"]),
         (["--model", "nano", "--lora-tokens", "seg"], ["--lora-tokens", "add --lora"]),
         (["--model", "nano", "--lora", "--lora-tokens", "seg,nope"], ["seg,loc"]),
+        (["--model", "nano", "--lora", "--lora-tokens", "seg", "--fsdp"], ["--fsdp"]),
     ],
 )
 def test_fine_tuning_bad_flags_are_one_line(tmp_path, flags, words):

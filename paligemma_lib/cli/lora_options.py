@@ -73,6 +73,11 @@ def lora_settings(args):
             )
         return None
     if args.lora_tokens is not None:
+        if getattr(args, "fsdp", False):  # gathered_model re-ties a plain head
+            raise ValueError(
+                "--lora-tokens with --fsdp is not supported: train the token rows "
+                "without --fsdp (DDP under torchrun, or one process)"
+            )
         groups = [g.strip() for g in args.lora_tokens.split(",")]
         if not set(groups) <= set(TOKEN_GROUPS) or len(set(groups)) < len(groups):
             raise ValueError(
