@@ -915,3 +915,19 @@ def test_token_rows_and_the_config_must_go_together(tmp_path):
     )
     message = error(load_adapter, model := copy.deepcopy(ours), folder)
     assert "[2, 48]" in message and "[4, 48]" in message and not lora_modules(model)
+
+
+def test_token_rows_on_a_bf16_base_train_in_fp32():
+    "The rows are the adapter's dtype (fp32), as A and B are; the table stays bf16"
+    model = PaliGemmaForConditionalGeneration(config()).to(torch.bfloat16)
+    with_rows(model)
+    text = model.language_model
+    rows = text.model.embed_tokens.token_adapter.trainable_tokens_delta
+    assert rows.dtype == torch.float32 and text.lm_head.weight.dtype == torch.bfloat16
+    batch = rows_inputs()
+    batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
+    out = model(**batch)
+    assert out.logits.dtype == torch.bfloat16  # the base's
+    out.logits.float().logsumexp(-1).sum().backward()
+    assert rows.grad is not None and rows.grad.dtype == torch.float32
+    assert rows.grad.abs().sum() > 0
