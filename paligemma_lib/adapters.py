@@ -6,9 +6,10 @@
 # %% auto #0
 __all__ = ['ADAPTER_CONFIG', 'ADAPTER_WEIGHTS', 'PEFT_PREFIX', 'OURS_TO_PEFT',
            'UNSUPPORTED', 'CHANGES_BASE', 'LORA_PARTS', 'SHIPPED_ADAPTERS',
-           'PEFT_KEYS', 'peft_name', 'peft_target_modules', 'save_adapter',
-           'lora_config_from_peft', 'adapted_module', 'shipped_adapter_path',
-           'resolve_adapter_path', 'check_adapter', 'load_adapter']
+           'PEFT_KEYS', 'ROWS_KEY', 'peft_name', 'peft_target_modules',
+           'save_adapter', 'lora_config_from_peft', 'adapted_module',
+           'shipped_adapter_path', 'resolve_adapter_path', 'check_adapter',
+           'adapter_parameter', 'load_adapter']
 
 # %% ../book/10_lora.ipynb #c003b
 # The cells of "Saving adapters in PEFT's format" export to
@@ -32,6 +33,7 @@ from paligemma_lib.lora import (
     matches,
 )
 from .model_files import read_json
+from .trainable_tokens import EMBED_TOKENS, TOKEN_ROWS
 from paligemma_lib.weights import (
     our_name,
     read_safetensors_header,
@@ -109,6 +111,7 @@ def _adapter_config(model: nn.Module) -> dict:
         "fan_in_fan_out": False,
         "init_lora_weights": True,
         "modules_to_save": None,
+        "trainable_token_indices": cfg.trainable_token_indices,
         "inference_mode": True,
     }
 
@@ -145,7 +148,6 @@ UNSUPPORTED = {
     "rank_pattern": "a rank per module",
     "alpha_pattern": "an alpha per module",
     "modules_to_save": "fully trained copies of modules",
-    "trainable_token_indices": "trained embedding rows",
     "target_parameters": "LoRA on bare parameters",
     "layer_replication": "replicated layers",
     "alora_invocation_tokens": "activated LoRA",
@@ -203,6 +205,7 @@ def lora_config_from_peft(
         alpha=config["lora_alpha"],
         dropout=config.get("lora_dropout", 0.0),
         target_modules=config["target_modules"],
+        trainable_token_indices=config.get("trainable_token_indices"),
     )
 
 # %% ../book/10_lora.ipynb #c083
@@ -211,20 +214,22 @@ LORA_PARTS = (".lora_A.weight", ".lora_B.weight")
 
 def adapted_module(key: str) -> tuple[str, str]:
     """An adapter file's tensor name, in any spelling of chapter 9's KEY_MAP
-    after PEFT's prefix -> (our module name, "lora_A" or "lora_B")"""
+    after PEFT's prefix -> (our module, lora_A, lora_B or token_adapter)"""
     part = next((p for p in LORA_PARTS if key.endswith(p)), None)
     name = (
         our_name(key.removeprefix(PEFT_PREFIX))
         if key.startswith(PEFT_PREFIX)
         else None
     )
+    if name == ROWS_KEY:
+        return EMBED_TOKENS, "token_adapter"
     if part is None and name is not None:
         raise ValueError(
             f"adapter tensor {key} is not a LoRA A or B weight: the adapter "
             "also saves weights of the model itself (modules_to_save, "
-            "trained embeddings or a base layer), which paligemma_lib.lora "
+            "a whole embedding or a base layer), which paligemma_lib.lora "
             "does not load; use it with PEFT, or save the adapter with LoRA "
-            "weights only"
+            "weights (and trainable_token_indices' rows) only"
         )
     if part is None or name is None:
         raise ValueError(
@@ -349,6 +354,44 @@ def _check_adapter_tensors(model, tensors: dict, parts: dict, cfg):
             f"{missing[0][0]}; is the file complete?"
         )
 
+# %% ../book/10_lora.ipynb #tt030
+# the one other tensor an adapter file may hold: the trained token rows
+ROWS_KEY = f"{EMBED_TOKENS}.{TOKEN_ROWS}"
+
+
+def adapter_parameter(model: nn.Module, name: str, part: str) -> nn.Parameter:
+    "The Parameter of `model` that adapted_module's (name, part) names"
+    module = model.get_submodule(name)
+    if part == "token_adapter":
+        return module.token_adapter.trainable_tokens_delta
+    return getattr(module, part).weight
+
+
+def _check_token_rows(model, tensors: dict, cfg, source):
+    """An error if the file's token rows and the config's
+    trainable_token_indices do not go together, or the rows' shape is not
+    [k, D]"""
+    key = next((k for k in tensors if k.endswith(TOKEN_ROWS)), None)
+    ids = cfg.trainable_token_indices
+    if (key is None) != (ids is None):
+        has = "no rows" if key is None else f"rows ({key})"
+        raise ValueError(
+            f"{source} holds {has}, but adapter_config.json sets "
+            f"trainable_token_indices={ids!r}; do the two files belong "
+            "together?"
+        )
+    if key is None:
+        return
+    width = model.get_submodule(EMBED_TOKENS).weight.shape[1]
+    shape = list(tensors[key].shape)
+    if shape != [len(ids), width]:
+        raise ValueError(
+            f"adapter tensor {key} has shape {shape}, but the "
+            f"{len(ids)} trainable_token_indices and the model's width "
+            f"imply {[len(ids), width]}; do the adapter and the model "
+            "belong together?"
+        )
+
 # %% ../book/10_lora.ipynb #db8c2171
 def load_adapter(
     model: nn.Module, folder, dtype: torch.dtype = torch.float32
@@ -356,19 +399,21 @@ def load_adapter(
     """Add the adapter saved in `folder` (PEFT's format; by PEFT or
     save_adapter), or the shipped adapter of that name (SHIPPED_ADAPTERS), to
     `model`, in place: the modules its file holds weights for are wrapped and
-    loaded. The names of the wrapped modules"""
+    loaded, and the trained token rows if any. The names of the wrapped
+    modules"""
     folder, cfg = check_adapter(folder)
     weights_file = folder / ADAPTER_WEIGHTS
     cfg.dtype = dtype
     with safe_open(weights_file, framework="pt") as f:
         tensors = {key: f.get_tensor(key) for key in f.keys()}
     parts = {key: adapted_module(key) for key in tensors}
-    names = sorted({name for name, _ in parts.values()})
+    lora = {k: v for k, v in parts.items() if v[1] != "token_adapter"}
+    names = sorted({name for name, _ in lora.values()})
     _check_no_lora(model)
-    _check_adapter_tensors(model, tensors, parts, cfg)
+    _check_adapter_tensors(model, tensors, lora, cfg)
+    _check_token_rows(model, tensors, cfg, weights_file)
     _wrap(model, names, cfg)
-    adapters = lora_modules(model)
     with torch.no_grad():
         for key, (name, part) in parts.items():
-            getattr(adapters[name], part).weight.copy_(tensors[key])
+            adapter_parameter(model, name, part).copy_(tensors[key])
     return names

@@ -12,6 +12,13 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+from paligemma_lib.trainable_tokens import (
+    add_trainable_tokens,
+    check_token_rows,
+    merge_trainable_tokens,
+    token_rows_state,
+    unmerge_trainable_tokens,
+)
 from torch import nn
 
 # %% ../book/10_lora.ipynb #129f547f
@@ -72,6 +79,27 @@ def _check_lora_config(cfg):
             "LoraConfig(target_modules=[]) names no module; "
             'name the Linear layers to adapt, e.g. ["q_proj", "v_proj"]'
         )
+    if cfg.trainable_token_indices is not None:
+        cfg.trainable_token_indices = _checked_ids(cfg.trainable_token_indices)
+
+
+def _checked_ids(ids) -> list[int]:
+    "trainable_token_indices as a list, checked: token ids, each once"
+    what = f"LoraConfig(trainable_token_indices={ids!r})"
+    if isinstance(ids, dict):
+        raise ValueError(
+            f"{what}: a dict (ids per module) is PEFT's form for untied "
+            "tables; PaliGemma's is tied: give a list of token ids"
+        )
+    ids = list(ids)
+    if not ids or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+    ):
+        raise ValueError(f"{what}: give a non-empty list of token ids, >= 0")
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise ValueError(f"{what}: id {twice[0]} is listed twice")
+    return ids
 
 # %% ../book/10_lora.ipynb #c6b2aa31
 @dataclass
@@ -79,7 +107,9 @@ class LoraConfig:
     """r: the rank of the update; alpha: the update is scaled by alpha / r;
     dropout: on the input of the LoRA path only; target_modules: names, one
     regular expression or "all-linear", with PEFT's rules (see `matches`);
-    dtype: of the LoRA parameters"""
+    dtype: of the LoRA parameters; trainable_token_indices: token ids whose
+    rows of the tied embedding and LM head train too (PEFT's name; see "New
+    tokens need new rows")"""
 
     r: int = 8
     alpha: float = 16
@@ -88,6 +118,7 @@ class LoraConfig:
         default_factory=lambda: list(DEFAULT_TARGETS)
     )
     dtype: torch.dtype = torch.float32
+    trainable_token_indices: list[int] | None = None
 
     def __post_init__(self):
         _check_lora_config(self)
@@ -280,8 +311,12 @@ def _check_no_lora(model: nn.Module):
 
 # %% ../book/10_lora.ipynb #ee6ec157
 def _wrap(model: nn.Module, names: list[str], cfg: LoraConfig):
-    "Freeze every parameter, then wrap each named Linear in a LoraLinear"
+    """Freeze every parameter, then wrap each named Linear in a LoraLinear;
+    with cfg.trainable_token_indices, those token rows train too"""
     _check_no_lora(model)
+    ids = cfg.trainable_token_indices
+    if ids is not None:  # checked before anything changes
+        check_token_rows(model, ids)
     for p in model.parameters():
         p.requires_grad_(False)
     for name in names:
@@ -291,6 +326,8 @@ def _wrap(model: nn.Module, names: list[str], cfg: LoraConfig):
             name,
             LoraLinear(base, cfg.r, cfg.alpha, cfg.dropout, cfg.dtype),
         )
+    if ids is not None:
+        add_trainable_tokens(model, ids, cfg.dtype)
     model.lora_config = cfg
 
 
@@ -423,8 +460,9 @@ def finetune_memory(
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> dict[str, LoraLinear]:
     """Fold each adapter into its base weight (W + B A alpha / r, computed in
-    fp32) and put the base Linear back in the wrapper's place; the removed
-    adapters, which the model also keeps for unmerge_lora"""
+    fp32) and put the base Linear back in the wrapper's place; trained token
+    rows are written into the table. The removed adapters, which the model
+    also keeps for unmerge_lora"""
     adapters = lora_modules(model)
     if not adapters:
         raise ValueError(
@@ -435,6 +473,7 @@ def merge_lora(model: nn.Module) -> dict[str, LoraLinear]:
         weight = lora.base_layer.weight
         weight.copy_((weight.float() + lora.delta_weight()).to(weight.dtype))
         _replace(model, name, lora.base_layer)
+    merge_trainable_tokens(model)
     model.merged_lora = adapters
     return adapters
 
@@ -443,7 +482,7 @@ def merge_lora(model: nn.Module) -> dict[str, LoraLinear]:
 def unmerge_lora(model: nn.Module) -> dict[str, LoraLinear]:
     """Undo merge_lora: subtract each adapter's update and wrap again. The
     weight comes back up to two roundings to its dtype: merge_lora's of W +
-    delta, and this one of the difference"""
+    delta, and this one of the difference; token rows come back exactly"""
     adapters = getattr(model, "merged_lora", None)
     if not adapters:
         raise ValueError(
@@ -460,15 +499,19 @@ def unmerge_lora(model: nn.Module) -> dict[str, LoraLinear]:
             (base.weight.float() - lora.delta_weight()).to(base.weight.dtype)
         )
         _replace(model, name, lora)
+    unmerge_trainable_tokens(model)
     del model.merged_lora
     return adapters
 
 # %% ../book/10_lora.ipynb #c060
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Our name -> tensor for the A and B of every adapter: all an adapter file
-    holds"""
+    """Our name -> tensor for the A and B of every adapter, and the trained
+    token rows if any: all an adapter file holds"""
     return {
-        f"{name}.{part}.weight": getattr(lora, part).weight
-        for name, lora in lora_modules(model).items()
-        for part in ("lora_A", "lora_B")
+        **{
+            f"{name}.{part}.weight": getattr(lora, part).weight
+            for name, lora in lora_modules(model).items()
+            for part in ("lora_A", "lora_B")
+        },
+        **token_rows_state(model),
     }

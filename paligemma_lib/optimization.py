@@ -11,6 +11,7 @@ import functools
 import math
 
 import torch
+from .trainable_tokens import TrainableTokens
 from torch import nn
 
 __doc__ = """The optimiser and its schedule (chapter 11.2): AdamW with weight
@@ -21,10 +22,14 @@ follows half a cosine."""
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW's two groups: weight decay on the matrices of linear and
     convolution layers; none on norms, biases and embedding tables (tokens and
-    tied LM head, positions). Parameters that do not require gradients are left
-    out."""
+    tied LM head, positions, and the token rows a LoRA adapter trains).
+    Parameters that do not require gradients are left out."""
     embeddings = {
         id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)
+    } | {
+        id(m.trainable_tokens_delta)
+        for m in model.modules()
+        if isinstance(m, TrainableTokens)
     }
     decay, no_decay = [], []
     for p in model.parameters():  # each shared (tied) Parameter once

@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from paligemma_lib.adapters import (
     ADAPTER_WEIGHTS,
     adapted_module,
+    adapter_parameter,
     save_adapter,
 )
 from .lora import lora_modules
@@ -164,7 +165,8 @@ def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
         with torch.no_grad(), safe_open(folder / ADAPTER_WEIGHTS, "pt") as f:
             for key in f.keys():
                 name, part = adapted_module(key)
-                getattr(adapters[name], part).weight.copy_(f.get_tensor(key))
+                tensor = f.get_tensor(key)
+                adapter_parameter(model, name, part).copy_(tensor)
     else:
         stored = load_pretrained(folder, dtype=torch.float32, device=device)
         model.load_state_dict(stored.state_dict())

@@ -12,7 +12,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from .processing import PaliGemmaProcessor
 from .sharding import gathered_model
 from .tokenization import GemmaTokenizer, default_tokenizer_path
 from .train import TrainConfig, autocast_dtype, train, world
+from .trainable_tokens import token_group_ids
 from .weights import load_pretrained, save_pretrained
 from torch.utils.data import Dataset
 
@@ -108,6 +109,8 @@ class TrainingRun:
     model: str | Path | None = None  # ...this checkpoint folder (or "nano")
     dtype: str | None = None  # the checkpoint's weights (default: float32)
     lora: LoraConfig | None = None  # with `model`: train only this adapter
+    # with `lora`: token groups whose rows train too ("seg", "loc", "seg,loc")
+    lora_tokens: str | None = None
     resume: bool = False  # go on from the newest checkpoint in `out`
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     workers: int = 0  # DataLoader processes building batches ahead
@@ -124,7 +127,7 @@ def training_model(run: TrainingRun):
         processor = PaliGemmaProcessor.from_pretrained(run.model)
         model = load_pretrained(run.model, dtype=run.dtype or "float32")
         if run.lora is not None:
-            add_lora(model, run.lora)
+            add_lora(model, _with_token_rows(run, processor.tokenizer))
         return processor, model
     tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
     settings = model_config(run.size, tokenizer)
@@ -134,6 +137,15 @@ def training_model(run: TrainingRun):
         num_image_tokens=settings.num_image_tokens,
     )
     return processor, PaliGemmaForConditionalGeneration(settings)
+
+
+def _with_token_rows(run: TrainingRun, tokenizer) -> LoraConfig:
+    "run.lora, with the ids of run.lora_tokens' groups as trainable rows"
+    if run.lora_tokens is None:
+        return run.lora
+    groups = token_group_ids(tokenizer, run.lora_tokens)
+    ids = [i for group in groups.values() for i in group]
+    return replace(run.lora, trainable_token_indices=ids)
 
 
 def device_description(device: torch.device) -> str:
@@ -195,6 +207,14 @@ def run_training(run: TrainingRun, on_start=None) -> dict:
             "r": lora.r,
             "alpha": lora.alpha,
             "target_modules": lora.target_modules,
+            # which rows of the token table trained too: group -> how many
+            "trainable_tokens": run.lora_tokens
+            and {
+                group: len(ids)
+                for group, ids in token_group_ids(
+                    processor.tokenizer, run.lora_tokens
+                ).items()
+            },
         },
         "parameters": {"trainable": trainable, "total": total},
         "steps": run.config.steps,

@@ -828,7 +828,13 @@ def test_every_option_has_help_and_shows_its_default():
 
 
 @pytest.mark.parametrize(
-    "flags", [["--lora-r", "4"], ["--lora-alpha", "8"], ["--lora-targets", "all"]]
+    "flags",
+    [
+        ["--lora-r", "4"],
+        ["--lora-alpha", "8"],
+        ["--lora-targets", "all"],
+        ["--lora-tokens", "seg"],
+    ],
 )
 def test_lora_options_without_lora_are_refused(tmp_path, flags):
     run = cli("train", "--model", "nano", "--out", tmp_path / "run", "--steps", "1",

@@ -683,3 +683,251 @@ def test_an_adapter_on_the_tied_lm_head_is_refused(tmp_path):
     assert "adapts language_model.lm_head" in message
     assert "tied to language_model.model.embed_tokens.weight" in message
     assert not lora_modules(ours)
+
+
+# --- trained token rows: PEFT's trainable_token_indices (issue 40) ---
+
+ROWS = [3, 5, 7, 200]
+
+
+def rows_inputs(seed=0):
+    "inputs() with the trained ids in the text, where the embedding reads them"
+    batch = inputs(seed)
+    batch["input_ids"][:, 5:9] = torch.tensor(ROWS)
+    return batch
+
+
+def rows_logits(model, seed=0):
+    with torch.no_grad():
+        return model.eval()(**rows_inputs(seed)).logits
+
+
+def randomise_rows(model, seed=2, std=0.3):
+    "Rows as if trained: their starting values plus noise"
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "trainable_tokens_delta" in name:
+                p.add_(torch.randn(p.shape, generator=g) * std)
+
+
+def with_rows(model, targets=("q_proj",)):
+    add_lora(
+        model,
+        LoraConfig(
+            r=4, alpha=8, target_modules=list(targets), trainable_token_indices=ROWS
+        ),
+    )
+    randomise_lora_B(model.named_parameters())
+    randomise_rows(model)
+    return model
+
+
+ROWS_NAME = "language_model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+
+
+@pytest.mark.parametrize("attention", ATTENTION, ids=str)
+def test_our_token_rows_load_into_peft(attention, tmp_path):
+    ours, theirs = transformers_pair(ATTENTION[attention], seed=0)
+    with_rows(ours)
+    save_adapter(ours, tmp_path)
+    saved = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
+    assert saved["trainable_token_indices"] == ROWS
+    assert PEFT_PREFIX + peft_name(ROWS_NAME) in _tensors(tmp_path)
+    theirs = peft.PeftModel.from_pretrained(theirs, tmp_path)
+    assert count_parameters(ours)[1] == theirs.get_nb_trainable_parameters()[1]
+    # the round trips' tolerance, for the same reason: fp32 against transformers'
+    # fp32, other kernels and orders, products of width <= 96 (~6e-6 relative
+    # each) over 4 layers and a softmax; 1e-4 for logits of order 1
+    torch.testing.assert_close(
+        rows_logits(theirs), rows_logits(ours), atol=1e-4, rtol=1e-4
+    )
+
+
+@pytest.mark.parametrize("attention", ATTENTION, ids=str)
+def test_peft_token_rows_load_into_ours(attention, tmp_path):
+    ours, theirs = transformers_pair(ATTENTION[attention], seed=0)
+    before = rows_logits(ours)
+    theirs = peft.get_peft_model(
+        theirs,
+        peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=ROWS
+        ),
+    )
+    randomise_lora_B(theirs.named_parameters())
+    randomise_rows(theirs)
+    theirs.save_pretrained(tmp_path)
+    load_adapter(ours, tmp_path)
+    # PEFT's counts: the rows once (k x hidden), though embedding and head use them
+    assert count_parameters(ours) == theirs.get_nb_trainable_parameters()
+    lora = sum(t.numel() for n, t in lora_state_dict(ours).items() if "lora_" in n)
+    hidden = ours.config.text.hidden_size
+    assert count_parameters(ours)[0] == lora + len(ROWS) * hidden
+    expected = rows_logits(theirs)
+    assert not torch.allclose(expected, before, atol=1e-2)  # the adapter matters
+    # the same tolerance as above, for the same reason
+    torch.testing.assert_close(rows_logits(ours), expected, atol=1e-4, rtol=1e-4)
+    save_adapter(ours, tmp_path / "again")  # the same tensors under the same names
+    assert _tensors(tmp_path / "again").keys() == _tensors(tmp_path).keys()
+    for key, t in _tensors(tmp_path).items():
+        assert torch.equal(_tensors(tmp_path / "again")[key], t), key
+
+
+def test_token_rows_change_only_the_listed_ids():
+    base = PaliGemmaForConditionalGeneration(config()).eval()
+    model = with_rows(copy.deepcopy(base))
+    text, plain = model.language_model, base.language_model
+    rows = text.model.embed_tokens.token_adapter.trainable_tokens_delta
+    # one Parameter [k, hidden], in the embedding and in the tied head
+    assert text.lm_head.token_adapter.trainable_tokens_delta is rows
+    assert list(rows.shape) == [len(ROWS), config().text.hidden_size]
+    # the table itself is the base's, untouched; code reading .weight still works
+    assert text.model.embed_tokens.weight is text.lm_head.weight
+    assert torch.equal(text.model.embed_tokens.weight, plain.model.embed_tokens.weight)
+    vocab = torch.arange(config().text.vocab_size)[None]  # every id once, [1, V]
+    listed = torch.isin(vocab[0], torch.tensor(ROWS))
+    with torch.no_grad():
+        embedded, embedded_base = text.model.embed(vocab), plain.model.embed(vocab)
+        assert torch.equal(embedded[0, ~listed], embedded_base[0, ~listed])
+        scale = torch.tensor(config().text.hidden_size ** 0.5)
+        assert torch.equal(embedded[0, listed], rows * scale)  # ROWS are sorted
+        hidden = torch.randn(3, config().text.hidden_size)
+        logits, logits_base = text.lm_head(hidden), plain.lm_head(hidden)
+        assert torch.equal(logits[:, ~listed], logits_base[:, ~listed])
+        # k dot products of width 48 against F.linear's: other orders, ~48 x
+        # 2^-24 relative each
+        torch.testing.assert_close(
+            logits[:, listed], hidden @ rows.T, atol=1e-5, rtol=1e-5
+        )
+        assert not torch.allclose(logits[:, listed], logits_base[:, listed])
+
+
+def test_a_training_step_moves_only_the_rows_and_the_adapter_without_decay():
+    from paligemma_lib.optimization import make_optimizer, param_groups
+
+    model = with_rows(PaliGemmaForConditionalGeneration(config()))
+    rows = model.language_model.model.embed_tokens.token_adapter.trainable_tokens_delta
+    decayed, kept = (g["params"] for g in param_groups(model, 0.1))
+    assert any(p is rows for p in kept) and not any(p is rows for p in decayed)
+    frozen = {
+        n: p.detach().clone()
+        for n, p in model.named_parameters()
+        if not p.requires_grad
+    }
+    trained = {
+        n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad
+    }
+    optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.1)
+    batch = rows_inputs()
+    labels = batch["input_ids"].masked_fill(batch["token_type_ids"] == 0, -100)
+    model.train()(**batch, labels=labels).loss.backward()
+    optimizer.step()
+    for name, p in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name
+    assert not torch.equal(rows, trained[ROWS_NAME])
+    # what trains is what the adapter file holds: A, B and the rows
+    assert set(trained) == set(lora_state_dict(model))
+
+
+def test_merge_writes_the_rows_and_unmerge_puts_the_originals_back():
+    base = PaliGemmaForConditionalGeneration(config()).eval()
+    model = with_rows(copy.deepcopy(base))
+    adapted = rows_logits(model)
+    rows = model.language_model.model.embed_tokens.token_adapter.trainable_tokens_delta
+    merge_lora(model)
+    text = model.language_model
+    assert type(text.model.embed_tokens) is torch.nn.Embedding
+    assert text.lm_head.weight is text.model.embed_tokens.weight
+    assert torch.equal(text.model.embed_tokens.weight[ROWS], rows)
+    assert not any("token_adapter" in n for n, _ in model.named_parameters())
+    # fp32 merge: LoRA's W + BA rounds once (chapter 10), the rows are exact;
+    # products of width <= 96 in another order
+    torch.testing.assert_close(rows_logits(model), adapted, atol=1e-5, rtol=1e-5)
+    unmerge_lora(model)
+    assert torch.equal(
+        text.model.embed_tokens.base_layer.weight,
+        base.language_model.model.embed_tokens.weight,
+    )
+    # the rows come back exactly; LoRA's weights within two fp32 roundings
+    torch.testing.assert_close(rows_logits(model), adapted, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_generation_uses_the_trained_rows(cache):
+    from paligemma_lib.generation import generate
+
+    base = PaliGemmaForConditionalGeneration(config()).eval()
+    model = with_rows(copy.deepcopy(base))
+    batch = inputs()
+    first = generate(base, **batch, max_new_tokens=1)[:, 0]
+    table = model.language_model.model.embed_tokens.weight
+    with torch.no_grad():  # row 5 := 10 x the row of each prompt's first answer
+        model.language_model.model.embed_tokens.token_adapter.trainable_tokens_delta[
+            1
+        ] = 10 * table[first[0]]
+    tokens = generate(model, **batch, max_new_tokens=4, cache=cache)
+    merged = copy.deepcopy(model)
+    merge_lora(merged)
+    assert torch.equal(
+        tokens, generate(merged, **batch, max_new_tokens=4, cache="none")
+    )
+    assert tokens[0, 0] == 5  # the trained row won
+
+
+@pytest.mark.parametrize(
+    "ids, words",
+    [
+        ([3, 3], "id 3 is listed twice"),
+        ([-1], ">= 0"),
+        ([], "non-empty"),
+        ({"embed_tokens": [3]}, "give a list of token ids"),
+    ],
+)
+def test_bad_token_ids_are_refused(ids, words):
+    assert words in error(LoraConfig, trainable_token_indices=ids)
+
+
+def test_token_ids_outside_the_vocabulary_and_models_without_a_table_are_refused():
+    model = PaliGemmaForConditionalGeneration(config())
+    vocab = config().text.vocab_size
+    message = error(add_lora, model, LoraConfig(trainable_token_indices=[3, vocab]))
+    assert f"holds {vocab}" in message and f"0 to {vocab - 1}" in message
+    assert not lora_modules(model)  # refused before anything changed
+    linear = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    cfg = LoraConfig(target_modules=["0"], trainable_token_indices=[1])
+    assert "are for PaliGemma" in error(add_lora, linear, cfg)
+
+
+def test_token_rows_and_the_config_must_go_together(tmp_path):
+    ours, _ = transformers_pair(config(), seed=0)
+    save_adapter(with_rows(copy.deepcopy(ours)), tmp_path / "rows")
+    folder = edited_adapter(
+        tmp_path / "rows", tmp_path / "no-ids", {"trainable_token_indices": None}
+    )
+    message = error(load_adapter, copy.deepcopy(ours), folder)
+    assert "trainable_token_indices=None" in message and "rows (" in message
+    tensors = {k: t for k, t in _tensors(tmp_path / "rows").items() if "token" not in k}
+    folder = edited_adapter(tmp_path / "rows", tmp_path / "no-rows", tensors=tensors)
+    assert "holds no rows" in error(load_adapter, copy.deepcopy(ours), folder)
+    folder = edited_adapter(
+        tmp_path / "rows", tmp_path / "fewer", {"trainable_token_indices": [3, 5]}
+    )
+    message = error(load_adapter, model := copy.deepcopy(ours), folder)
+    assert "[2, 48]" in message and "[4, 48]" in message and not lora_modules(model)
+
+
+def test_token_rows_on_a_bf16_base_train_in_fp32():
+    "The rows are the adapter's dtype (fp32), as A and B are; the table stays bf16"
+    model = PaliGemmaForConditionalGeneration(config()).to(torch.bfloat16)
+    with_rows(model)
+    text = model.language_model
+    rows = text.model.embed_tokens.token_adapter.trainable_tokens_delta
+    assert rows.dtype == torch.float32 and text.lm_head.weight.dtype == torch.bfloat16
+    batch = rows_inputs()
+    batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
+    out = model(**batch)
+    assert out.logits.dtype == torch.bfloat16  # the base's
+    out.logits.float().logsumexp(-1).sum().backward()
+    assert rows.grad is not None and rows.grad.dtype == torch.float32
+    assert rows.grad.abs().sum() > 0

@@ -758,20 +758,34 @@ def test_train_then_evaluate_on_the_worlds(tmp_path):
 # --- fine-tuning: train --model, --lora, --adapter (chapter 12) ---
 
 
-def test_a_resumed_lora_run_ends_bit_for_bit_equal(tmp_path):
+def adapter_only(name: str) -> bool:
+    "A LoRA weight or the trained token rows"
+    return "lora" in name or "token_adapter" in name
+
+
+@pytest.mark.parametrize("rows", [None, [5, 6, 7]], ids=["lora", "lora+rows"])
+def test_a_resumed_lora_run_ends_bit_for_bit_equal(tmp_path, rows):
     """Bit for bit (same fp32 operations, same order). LoRA dropout 0.5 draws from
-    torch's generator at every step. Seen to catch: `set_rng_states` made a no-op."""
+    torch's generator at every step. Seen to catch: `set_rng_states` made a no-op.
+    With trained token rows (issue 40), the checkpoint holds and restores them too."""
     from paligemma_lib.lora import LoraConfig, add_lora, lora_state_dict
 
     def adapted(seed=0):
         model = toy_model()  # the same base weights every time
         torch.manual_seed(seed)  # the adapter's own initialisation
-        add_lora(model, LoraConfig(r=2, dropout=0.5))
+        add_lora(model, LoraConfig(r=2, dropout=0.5, trainable_token_indices=rows))
+        if seed:  # rows other than the checkpoint's, which must replace them
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "token_adapter" in name:
+                        p.add_(1.0)
         return model
 
     uninterrupted = adapted()
     base = {
-        k: v.clone() for k, v in uninterrupted.state_dict().items() if "lora" not in k
+        k: v.clone()
+        for k, v in uninterrupted.state_dict().items()
+        if not adapter_only(k)
     }
     train(uninterrupted, DATA, collate, SMALL, progress=False)
 
@@ -795,7 +809,7 @@ def test_a_resumed_lora_run_ends_bit_for_bit_equal(tmp_path):
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
     for name, value in uninterrupted.state_dict().items():  # the base never moved
-        if "lora" not in name:
+        if not adapter_only(name):
             assert torch.equal(value, base[name]), name
 
 
@@ -808,6 +822,9 @@ def test_a_resumed_lora_run_ends_bit_for_bit_equal(tmp_path):
         (["--config", "tiny", "--eval-data", "x"], ["--eval-data goes with --data"]),
         (["--model", "nano", "--data", "nowhere"], ["nowhere"]),
         (["--model", "nano", "--lora", "--lora-targets", "nope"], ["nope"]),
+        (["--model", "nano", "--lora-tokens", "seg"], ["--lora-tokens", "add --lora"]),
+        (["--model", "nano", "--lora", "--lora-tokens", "seg,nope"], ["seg,loc"]),
+        (["--model", "nano", "--lora", "--lora-tokens", "seg", "--fsdp"], ["--fsdp"]),
     ],
 )
 def test_fine_tuning_bad_flags_are_one_line(tmp_path, flags, words):
@@ -859,6 +876,35 @@ def test_train_lora_then_evaluate_with_the_adapter(tmp_path):
     assert "store accuracy" in run.stdout
     run = cli("evaluate", "--model", base, "--adapter", tmp_path, "--world", "ocr")
     one_error_line(run, "--adapter", "adapter_config.json")
+
+
+def test_train_lora_with_token_rows(tmp_path):
+    """--lora-tokens seg: the 128 <seg> rows train with the adapter, are saved as
+    PEFT saves them, and the record says which (issue 40)"""
+    from paligemma_lib.adapters import ADAPTER_CONFIG, load_adapter
+    from paligemma_lib.tokenization import SEG_TOKENS
+    from paligemma_lib.weights import load_pretrained
+
+    base = trained_tiny_model(tmp_path / "base")
+    out = tmp_path / "adapter"
+    run = cli("train", "--model", base, "--lora", "--lora-tokens", "seg",
+              "--out", out, "--steps", "2", "--batch-size", "2", "--eval-size", "1",
+              "--no-progress")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    record = json.loads((out / "training_record.json").read_text())
+    assert record["lora"]["trainable_tokens"] == {"seg": 128}
+    tokenizer = PaliGemmaProcessor.from_pretrained(base).tokenizer
+    seg_ids = [tokenizer.piece_to_id(p) for p in SEG_TOKENS]
+    saved = json.loads((out / ADAPTER_CONFIG).read_text())
+    assert saved["trainable_token_indices"] == seg_ids
+    model = load_pretrained(base)
+    table = model.language_model.model.embed_tokens.weight.detach().clone()
+    load_adapter(model, out)
+    hidden = model.config.text.hidden_size
+    rows = model.language_model.model.embed_tokens.token_adapter.trainable_tokens_delta
+    assert list(rows.shape) == [128, hidden] and not torch.equal(rows, table[seg_ids])
+    trainable = record["parameters"]["trainable"]
+    assert trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def test_the_shipped_receipts_adapter_reads_a_test_receipt():

@@ -49,6 +49,8 @@ MODULES = {
     "lora": "LoRA: the adapter layer; adding, merging and unmerging adapters; "
     "the memory of fine-tuning.",
     "adapters": "Saving and loading LoRA adapters in PEFT's format.",
+    "trainable_tokens": "Trained rows of the token table next to a LoRA adapter "
+    "(PEFT's `trainable_token_indices`).",
     "data": "The synthetic worlds: shapes, OCR and receipts, their tasks and "
     "their batches.",
     "train": "",

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from ..devices import gpu_branch
-from ..lora import LoraConfig
 from ..weights import DTYPES, resolve_device
 from .interrupt import ON_INTERRUPT
+from .lora_options import add_lora_arguments, lora_settings
 from .options import (
     DEVICE_HELP,
     add_dataclass_options,
@@ -25,15 +25,6 @@ from .options import (
     import_data,
     parse_worlds,
 )
-
-# LoraConfig's rank and alpha; the command's targets are the decoder's layers
-# ("language"), where LoraConfig's default also matches SigLIP's q/k/v
-LORA_DEFAULTS = {
-    "lora_r": LoraConfig.r,
-    "lora_alpha": float(LoraConfig.alpha),
-    "lora_targets": "language",
-}
-
 
 DEFAULT_WORLDS = "shapes=0.7,ocr=0.3"  # nano's mix (chapter 11)
 
@@ -55,32 +46,7 @@ def add_train_parser(commands) -> None:
         default=None,
         help="or fine-tune this trained model (a checkpoint folder, or nano)",
     )
-    tr.add_argument(
-        "--lora",
-        action="store_true",
-        help="with --model: train a LoRA adapter (chapter 10) and leave the model "
-        "frozen; the output folder gets the adapter, in PEFT's format",
-    )
-    tr.add_argument(
-        "--lora-r",
-        type=int,
-        default=None,
-        help=f"with --lora: the adapter's rank (default: {LORA_DEFAULTS['lora_r']})",
-    )
-    tr.add_argument(
-        "--lora-alpha",
-        type=float,
-        default=None,
-        help="with --lora: the update is scaled by alpha/r "
-        f"(default: {LORA_DEFAULTS['lora_alpha']})",
-    )
-    tr.add_argument(
-        "--lora-targets",
-        default=None,
-        help="with --lora: the layers adapted: 'language' (the decoder's attention "
-        "and MLP), 'all' (every Linear but the LM head, the vision tower's too), or "
-        f"comma-separated module names (default: {LORA_DEFAULTS['lora_targets']})",
-    )
+    add_lora_arguments(tr)
     tr.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -138,35 +104,6 @@ def add_train_parser(commands) -> None:
         "CPU, where training uses every core; on CUDA, up to 8 of the spare cores)",
     )
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-LORA_TARGETS = {  # --lora-targets shorthands
-    # chapter 10's default names, in the decoder only (SigLIP has q/k/v_proj too)
-    "language": r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj"
-    r"|down_proj)",
-    "all": "all-linear",  # PEFT's: every Linear but the LM head
-}
-
-
-def lora_settings(args):
-    """The LoraConfig that --lora-r, --lora-alpha and --lora-targets describe (None
-    without --lora, which they must then not be given with)"""
-    given = [name for name in LORA_DEFAULTS if getattr(args, name) is not None]
-    if not args.lora:
-        if given:
-            flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise ValueError(
-                f"{flags} shape a LoRA adapter: add --lora to train one (without "
-                "--lora, --model fine-tunes every weight)"
-            )
-        return None
-    for name, value in LORA_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    targets = LORA_TARGETS.get(args.lora_targets)
-    if targets is None:
-        targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
-    return LoraConfig(r=args.lora_r, alpha=args.lora_alpha, target_modules=targets)
 
 
 def batch_workers(asked: int | None, device: torch.device) -> int:
@@ -259,6 +196,7 @@ def train_command(args: argparse.Namespace, argv) -> int:
         model=args.model,
         dtype=args.dtype,
         lora=lora,
+        lora_tokens=args.lora_tokens,
         resume=args.resume,
         device=device,
         workers=batch_workers(args.workers, device),
