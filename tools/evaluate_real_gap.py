@@ -51,7 +51,9 @@ def evaluate(n: int) -> dict:
     started = time.perf_counter()
     rows, metrics = [], {}
     for world, tasks in ASKED.items():
-        mine = [r for t in tasks for r in ask(model, processor, world, t, n // len(tasks))]
+        mine = [
+            r for t in tasks for r in ask(model, processor, world, t, n // len(tasks))
+        ]
         metrics[world] = compute_metrics(mine)
         rows += mine
     weights = resolve_model_path("nano") / "model.safetensors"
