@@ -111,6 +111,11 @@ def test_fetch_runs_against_the_local_files(tmp_path):
     for name in FASHION_MNIST_FILES:
         got = gzip.decompress((folder / name).read_bytes())
         assert got == gzip.decompress((source / name).read_bytes())
+
+    def no_network(url):
+        raise AssertionError(f"{url} fetched again")
+
+    assert fetch_fashion_mnist(folder, "x/", md5, no_network) == folder  # kept
     # an IDX file that is not Fashion-MNIST, under a matching MD5: the content check
     forged = gzip.compress(struct.pack(">4BI", 0, 0, 8, 1, 1) + b"\x07", mtime=0)
     forged_md5 = {n: hashlib.md5(forged).hexdigest() for n in FASHION_MNIST_FILES}
