@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image, ImageChops, ImageDraw
 
+import paligemma_lib.real_images  # noqa: F401, E402  (adds clothing, handwriting)
 import paligemma_lib.segmentation  # noqa: F401, E402  (adds the segments world)
 from paligemma_lib.boxes import parse_loc_tokens
 from paligemma_lib.data import (
@@ -123,7 +124,8 @@ def test_splits_are_disjoint_and_inside_a_world():
 
 def test_worlds_and_mixing_never_share_a_generator_seed():
     starts = sorted([*WORLD_OFFSETS.values(), MIX_OFFSET])
-    assert set(WORLD_OFFSETS) == {*WORLDS, "segments"}  # chapter 12.1 adds one
+    later = {"segments", "clothing", "handwriting"}  # chapters 12.1 and 12.2
+    assert set(WORLD_OFFSETS) == {*WORLDS, *later}
     assert all(b - a >= SEEDS_PER_WORLD for a, b in zip(starts, starts[1:]))
 
 

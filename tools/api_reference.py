@@ -63,6 +63,7 @@ MODULES = {
     "segmentation": "",
     "mask_vae_training": "",
     "segment_eval": "",
+    "real_images": "",
     "demo": "The demo's functions: prompts, answers, boxes, receipts, masks, "
     "attention maps and the checks of their inputs.",
     "app": "",

@@ -181,7 +181,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-WORLDS = ("shapes", "ocr", "receipts", "segments")  # segments: chapter 12.1
+# segments: chapter 12.1; clothing, handwriting: 12.2 (real pictures)
+WORLDS = ("shapes", "ocr", "receipts", "segments", "clothing", "handwriting")
 
 
 DEVICE_HELP = "'auto' (the GPU when there is one), 'cpu', 'cuda', 'cuda:1', ..."
@@ -213,13 +214,15 @@ def parse_worlds(text: str) -> dict:
 def import_data():
     "The synthetic worlds (chapter 11), imported only by the commands that need them"
     try:
-        from .. import data, segmentation  # noqa: F401  (it adds "segments")
+        # segmentation adds "segments", real_images "clothing", "handwriting"
+        from .. import data, real_images, segmentation  # noqa: F401
     except ModuleNotFoundError as e:
-        if e.name not in ("paligemma_lib.data", "paligemma_lib.segmentation"):
+        ours = ("data", "segmentation", "real_images")
+        if e.name not in [f"paligemma_lib.{m}" for m in ours]:
             raise
         raise ValueError(
-            f"this installation has no {e.name} (the synthetic worlds of chapters "
-            "11 and 12.1); install a version of paligemma_lib that has it"
+            f"this installation has no {e.name} (the worlds of chapters 11, 12.1 "
+            "and 12.2); install a version of paligemma_lib that has it"
         ) from None
     return data
 

