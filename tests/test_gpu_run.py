@@ -171,3 +171,18 @@ def test_the_speed_page_takes_each_part_from_its_newest_run(tmp_path, monkeypatc
     page = speed_page.gpu_run()
     assert "`tests/gpu`: 1 of 1 passed" in page  # from the older call
     assert "(commit aaa)" in page and "(commit bbb)" in page
+
+
+def test_the_segment_part_trains_the_recipe_chapter_12_1_chose():
+    "12.1's comparison chose LoRA with the <seg> rows; the GPU trains it beside LoRA"
+    runs = gpu_run.SEGMENT_RUNS
+    assert set(runs) == {"lora", "rows"}
+    assert runs["rows"] == [*runs["lora"], "--lora-tokens", "seg"]
+    record = json.loads(
+        (ROOT / "paligemma_lib/assets/segment_recipes.json").read_text()
+    )
+    chosen = record["recipes"]["seg rows"]
+    assert chosen["recipe"] == {"lora": True, "rows": ["seg"], "loc_weight": 1.0,
+                                "lr": 2e-3}  # fmt: skip
+    flags = runs["rows"]
+    assert float(flags[flags.index("--lr") + 1]) == chosen["recipe"]["lr"]
