@@ -5,9 +5,10 @@
 
 Asks the shipped nano about the first `--n` examples of the test split of each world,
 clothing (caption, count, detect, a third each) and handwriting (ocr), greedily, as
-`evaluate` does, and writes benchmarks/results/real-gap-DATE.json: the git commit, the
-sha256 of nano's weights, every example's seed, prompt, answer and prediction (so the
-chapter can grade them again) and chapter 11.2's metrics (`compute_metrics`).
+`evaluate` does, and writes paligemma_lib/assets/real/real-gap-DATE.json (shipped
+with the library, for the chapter): the git commit, the sha256 of nano's weights,
+every example's seed, prompt, answer and prediction (so the chapter can grade them
+again) and chapter 11.2's metrics (`compute_metrics`).
 """
 
 import argparse
@@ -75,12 +76,17 @@ def evaluate(n: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=300, help="examples per world")
-    parser.add_argument("--out", type=Path, help="the record (default: benchmarks/)")
+    parser.add_argument(
+        "--out", type=Path, help="the record (default: paligemma_lib/assets/real/)"
+    )
     args = parser.parse_args(argv)
     if args.n < 3:
         parser.error("--n must be at least 3: clothing asks three tasks")
     record = evaluate(args.n)
-    out = args.out or ROOT / "benchmarks/results" / f"real-gap-{record['date']}.json"
+    out = (
+        args.out
+        or ROOT / "paligemma_lib/assets/real" / f"real-gap-{record['date']}.json"
+    )
     out.write_text(json.dumps(record, indent=1) + "\n")
     for world, metrics in record["metrics"].items():
         for task, values in metrics.items():

@@ -8,9 +8,10 @@ Both models see the same pictures for the same epochs (the same examples); then 
 logistic regression trains again, from the start, for as many epochs as fit in the CPU
 seconds the CNN took (its seconds per epoch measured on one epoch first), so that "the
 same CPU budget" holds either way: the same examples, or the same seconds. Writes
-benchmarks/results/classic-DATE.json (the command, commit, seconds, loss curves, every
-test prediction, accuracies and 10 x 10 confusion matrices) and the CNNs' weights beside
-it, classic-cnn-SOURCE-DATE.safetensors, so that the chapter can check the record.
+paligemma_lib/assets/real/classic-DATE.json, shipped with the library (the command,
+commit, seconds, loss curves, every test prediction, accuracies and 10 x 10 confusion
+matrices) and the CNNs' weights beside it, classic-cnn-SOURCE-DATE.safetensors, so
+that the chapter can check the record.
 Run with OMP_NUM_THREADS=1 for seconds comparable to the chapter's machine.
 """
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evaluate_fresh import git_commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "paligemma_lib" / "assets" / "real"  # shipped: chapter 12.2 reads it
 
 
 def run(make, name: str, data: tuple, epochs: int) -> tuple:
