@@ -23,6 +23,7 @@ import torch
 
 import paligemma_lib.real_images  # noqa: F401  (adds the two worlds)
 from paligemma_lib import PaliGemmaProcessor, load_pretrained
+from paligemma_lib.adapters import load_adapter
 from paligemma_lib.data import SyntheticDataset
 from paligemma_lib.evaluation import compute_metrics, predict
 from paligemma_lib.model_files import resolve_model_path
@@ -33,39 +34,57 @@ from evaluate_fresh import git_commit  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 MAX_NEW_TOKENS = 80  # four items' caption: about 60 tokens of this vocabulary
 ASKED = {"clothing": ("caption", "count", "detect"), "handwriting": ("ocr",)}
+OLD_WORLDS = {"shapes": ("caption", "count", "colour", "detect"), "ocr": ("ocr",)}
 
 
-def ask(model, processor, world: str, task: str, n: int) -> list[dict]:
-    "The model's answers to the first n test examples of `world` asking `task`"
-    data = SyntheticDataset(world, split="test", size=n, task=task)
+def ask(model, processor, world, task, n: int, split="test") -> list[dict]:
+    "The model's answers to the first n examples of `split` of `world` asking `task`"
+    data = SyntheticDataset(world, split=split, size=n, task=task)
     rows = predict(model, processor, data, batch_size=32, max_new_tokens=MAX_NEW_TOKENS)
     for i, row in enumerate(rows):
         row |= {"world": world, "index": i, "seed": data.seeds[i]}
     return rows
 
 
-def evaluate(n: int) -> dict:
-    "The record: every row, the metrics per world, the files, where and when"
+def evaluate(n: int, split="test", adapter=None, old=0) -> dict:
+    """The record: every row, the metrics per world, the files, where and when.
+    adapter: a LoRA adapter's folder on nano; old: examples of chapter 11's worlds
+    too (shapes and ocr), to see what fine-tuning kept"""
     torch.manual_seed(0)
     processor = PaliGemmaProcessor.from_pretrained("nano")
-    model = load_pretrained("nano").eval()
+    model = load_pretrained("nano")
+    if adapter is not None:
+        load_adapter(model, adapter)
+    model.eval()
     started = time.perf_counter()
     rows, metrics = [], {}
-    for world, tasks in ASKED.items():
+    asked = ASKED | (OLD_WORLDS if old else {})
+    for world, tasks in asked.items():
+        count = n if world in ASKED else old
         mine = [
-            r for t in tasks for r in ask(model, processor, world, t, n // len(tasks))
+            r
+            for t in tasks
+            for r in ask(model, processor, world, t, count // len(tasks), split)
         ]
         metrics[world] = compute_metrics(mine)
         rows += mine
     weights = resolve_model_path("nano") / "model.safetensors"
+    command = f"python tools/evaluate_real_gap.py --n {n} --split {split}"
+    if adapter is not None:
+        command += f" --adapter {adapter} --old {old}"
     return {
-        "command": f"python tools/evaluate_real_gap.py --n {n}",
+        "command": command,
         "commit": git_commit(),
         "date": f"{date.today():%Y-%m-%d}",
         "torch": torch.__version__,
         "model": "nano",
         "model_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
-        "split": "test",
+        "adapter_sha256": None
+        if adapter is None
+        else hashlib.sha256(
+            (Path(adapter) / "adapter_model.safetensors").read_bytes()
+        ).hexdigest(),
+        "split": split,
         "max_new_tokens": MAX_NEW_TOKENS,
         "seconds": round(time.perf_counter() - started, 1),
         "metrics": metrics,
@@ -79,10 +98,15 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--out", type=Path, help="the record (default: paligemma_lib/assets/real/)"
     )
+    parser.add_argument("--split", default="test", choices=["validation", "test"])
+    parser.add_argument("--adapter", type=Path, help="a LoRA adapter on nano")
+    parser.add_argument(
+        "--old", type=int, default=0, help="examples of shapes and ocr too"
+    )
     args = parser.parse_args(argv)
     if args.n < 3:
         parser.error("--n must be at least 3: clothing asks three tasks")
-    record = evaluate(args.n)
+    record = evaluate(args.n, args.split, args.adapter, args.old)
     out = (
         args.out
         or ROOT / "paligemma_lib/assets/real" / f"real-gap-{record['date']}.json"
