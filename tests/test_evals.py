@@ -185,6 +185,7 @@ def test_readme_segment_picture_is_a_graded_test_scene():
     "The README's scene is test scene 1001 of the segments world, one of those graded"
     import numpy as np
 
+    import paligemma_lib.segmentation  # noqa: F401  (adds the segments world)
     from paligemma_lib.image_processing import load_image
 
     first, last = segment_evaluation()["indices"]
