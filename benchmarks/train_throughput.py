@@ -78,18 +78,13 @@ from pathlib import Path
 
 import torch
 
+from paligemma_lib.batching import StepBatches, step_batches
 from paligemma_lib.data import Collator, SyntheticDataset
 from paligemma_lib.model_files import shipped_model_path
 from paligemma_lib.optimization import make_optimizer, make_scheduler
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
 from paligemma_lib.processing import PaliGemmaProcessor
-from paligemma_lib.train import (
-    StepBatches,
-    TrainConfig,
-    grad_scaler,
-    step_batches,
-    training_step,
-)
+from paligemma_lib.train import TrainConfig, grad_scaler, training_step
 from paligemma_lib.training_run import model_config
 
 WORLDS = {"shapes": 0.7, "ocr": 0.3}  # the nano recipe's mix (the CLI's default)

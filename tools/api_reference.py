@@ -54,6 +54,7 @@ MODULES = {
     "data": "The synthetic worlds: shapes, OCR and receipts, their tasks and "
     "their batches.",
     "train": "",
+    "batching": "",
     "optimization": "",
     "resume": "",
     "evaluation": "",
