@@ -116,14 +116,14 @@ def test_parts_added_later_keep_the_call_they_came_from(tmp_path, monkeypatch):
 
 
 def test_chapter_12_quotes_the_ingested_run():
-    "The numbers chapter 12 quotes from the GPU run are the record's"
-    name = "gpu-run-20261126-0207.json"
-    t4 = json.loads((ROOT / "benchmarks" / "results" / name).read_text())["parts"]["t4"]
-    recipe, lora = t4["receipts recipe"], t4["3b lora"]
+    "The numbers chapter 12 quotes from the GPU runs are the records'"
+    results = ROOT / "benchmarks" / "results"
+    name, fresh = "gpu-run-20261126-1021.json", "t4-3b-lora-fresh-20261126-1031.json"
+    recipe = json.loads((results / name).read_text())["parts"]["t4"]["receipts recipe"]
     text = (ROOT / "book" / "12_fine_tuning.ipynb").read_text()
-    assert name in text
-    for dtype in ("torch.float32", "torch.float16"):
-        assert f"{lora[dtype]['peak_memory_bytes'] / 2**30:.2f}" in text
+    assert name in text and fresh in text
+    for row in json.loads((results / fresh).read_text())["results"][:2]:
+        assert f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" in text, row["dtype"]
     assert (
         f"ran it in {recipe['seconds']:.0f} s, {recipe['examples_per_s']:.0f}" in text
     )
@@ -186,3 +186,24 @@ def test_the_segment_part_trains_the_recipe_chapter_12_1_chose():
                                 "lr": 2e-3}  # fmt: skip
     flags = runs["rows"]
     assert float(flags[flags.index("--lr") + 1]) == chosen["recipe"]["lr"]
+
+
+def test_adapters_are_compared_on_the_same_scenes():
+    "The ship rule: the mean difference a scene, and its standard error"
+    graded = [
+        (1, "circle", 0.5),
+        (1, "square", 0.7),
+        (2, "circle", 0.4),
+        (3, "square", 0.9),
+    ]
+    rows = [{"seed": seed, "prompt": f"segment {kind}", "grades": {"model": [iou]}}
+            for seed, kind, iou in graded]  # fmt: skip
+    better = [{**r, "grades": {"model": [r["grades"]["model"][0] + d]}}
+              for r, d in zip(rows, [0.1, 0.1, 0.0, 0.2])]  # fmt: skip
+    paired = gpu_run.scene_differences(better, rows)
+    # scenes 1, 2, 3 gain 0.1, 0.0 and 0.2: mean 0.1, sd 0.1, se 0.1 / sqrt(3)
+    assert paired["scenes"] == 3
+    assert paired["mean"] == pytest.approx(0.1)
+    assert paired["standard error"] == pytest.approx(0.1 / 3**0.5)
+    with pytest.raises(AssertionError):  # other scenes are refused
+        gpu_run.scene_differences(better[1:] + better[:1], rows)
