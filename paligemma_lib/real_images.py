@@ -10,7 +10,8 @@ __all__ = ['FASHION_MNIST_FILES', 'FASHION_MNIST_URL', 'FASHION_MNIST_MD5',
            'mnist_5k_path', 'mnist_5k', 'split_of', 'clothing_pool',
            'digit_pool', 'phrase', 'clothing_caption', 'place_squares',
            'item_tensors', 'LogisticRegression', 'SmallCNN',
-           'train_classifier', 'confusion_matrix']
+           'train_classifier', 'confusion_matrix', 'caption_items',
+           'naming_pairs', 'digits_right']
 
 # %% ../book/12c_real_images.ipynb #r003
 import gzip
@@ -18,6 +19,7 @@ import hashlib
 import io
 import os
 import random
+import re
 import shutil
 import struct
 import tempfile
@@ -512,3 +514,29 @@ def confusion_matrix(model, x, y) -> torch.Tensor:
     "[10, 10] counts: row the true class, column the predicted one"
     predicted = model.eval()(x).argmax(1)
     return torch.bincount(y * 10 + predicted, minlength=100).reshape(10, 10)
+
+# %% ../book/12c_real_images.ipynb #d82a15ba
+def caption_items(caption: str) -> list:
+    """The items a caption names, left to right (the inverse of
+    `clothing_caption`); a phrase that names no item gives None"""
+    names = {phrase(item): item for item in ITEMS}
+    return [names.get(part) for part in re.split(r", | and ", caption.strip())]
+
+
+def naming_pairs(rows: list) -> list:
+    """(true item, item named in its place) for every item of every caption
+    graded; None where the caption named nothing there"""
+    pairs = []
+    for row in rows:
+        truth = caption_items(row["answer"])
+        said = caption_items(row["prediction"])[: len(truth)]
+        pairs += zip(truth, said + [None] * (len(truth) - len(said)))
+    return pairs
+
+
+def digits_right(rows: list) -> float:
+    "The share of the numbers' digits read right, place by place"
+    right = sum(
+        a == b for r in rows for a, b in zip(r["answer"], r["prediction"])
+    )
+    return right / sum(len(r["answer"]) for r in rows)

@@ -20,13 +20,16 @@ from paligemma_lib.evaluation import compute_metrics
 from paligemma_lib.real_images import (
     FASHION_MNIST_FILES,
     ITEMS,
+    caption_items,
     clothing_caption,
     clothing_pool,
     digit_pool,
+    digits_right,
     fashion_mnist,
     fetch_fashion_mnist,
     find_fashion_mnist,
     mnist_5k,
+    naming_pairs,
     read_idx,
 )
 
@@ -195,3 +198,28 @@ def test_cli_knows_the_worlds():
         "clothing": 0.5,
         "handwriting": 0.5,
     }
+
+
+def test_captions_read_back_into_their_items():
+    for items in (["trousers"], ["ankle boot", "bag"], list(ITEMS[:4])):
+        assert caption_items(clothing_caption(items)) == items
+    assert caption_items("a circle and a bag") == [None, "bag"]
+    for ex in map(SyntheticDataset("clothing", "test", 40).example, range(40)):
+        if ex.task == "caption":
+            assert caption_items(ex.answer) == list(ex.labels)
+
+
+def test_naming_pairs_and_digits_grade_place_by_place():
+    rows = [
+        {"answer": clothing_caption(["bag", "coat", "dress"]),
+         "prediction": clothing_caption(["bag", "shirt"])},
+        {"answer": "a sandal", "prediction": "a sandal and a bag"},
+    ]  # fmt: skip
+    assert naming_pairs(rows) == [
+        ("bag", "bag"), ("coat", "shirt"), ("dress", None), ("sandal", "sandal")
+    ]  # fmt: skip
+    numbers = [
+        {"answer": "4071", "prediction": "4011"},  # 3 of 4
+        {"answer": "25", "prediction": "2"},  # 1 of 2: the missing digit is wrong
+    ]
+    assert digits_right(numbers) == 4 / 6

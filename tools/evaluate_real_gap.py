@@ -46,13 +46,15 @@ def ask(model, processor, world, task, n: int, split="test") -> list[dict]:
     return rows
 
 
-def evaluate(n: int, split="test", adapter=None, old=0) -> dict:
+def evaluate(n: int, split="test", adapter=None, old=0, model="nano") -> dict:
     """The record: every row, the metrics per world, the files, where and when.
-    adapter: a LoRA adapter's folder on nano; old: examples of chapter 11's worlds
-    too (shapes and ocr), to see what fine-tuning kept"""
+    adapter: a LoRA adapter's folder on `model`; old: examples of chapter 11's
+    worlds too (shapes and ocr), to see what fine-tuning kept; model: nano, or a
+    model folder (a full fine-tune's checkpoint)"""
     torch.manual_seed(0)
     processor = PaliGemmaProcessor.from_pretrained("nano")
-    model = load_pretrained("nano")
+    base = model
+    model = load_pretrained(base)
     if adapter is not None:
         load_adapter(model, adapter)
     model.eval()
@@ -68,16 +70,17 @@ def evaluate(n: int, split="test", adapter=None, old=0) -> dict:
         ]
         metrics[world] = compute_metrics(mine)
         rows += mine
-    weights = resolve_model_path("nano") / "model.safetensors"
+    weights = resolve_model_path(base) / "model.safetensors"
     command = f"python tools/evaluate_real_gap.py --n {n} --split {split}"
-    if adapter is not None:
-        command += f" --adapter {adapter} --old {old}"
+    command += f" --model {base}" if base != "nano" else ""
+    command += f" --adapter {adapter}" if adapter is not None else ""
+    command += f" --old {old}" if old else ""
     return {
         "command": command,
         "commit": git_commit(),
         "date": f"{date.today():%Y-%m-%d}",
         "torch": torch.__version__,
-        "model": "nano",
+        "model": str(base),
         "model_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
         "adapter_sha256": None
         if adapter is None
@@ -99,14 +102,15 @@ def main(argv=None) -> int:
         "--out", type=Path, help="the record (default: paligemma_lib/assets/real/)"
     )
     parser.add_argument("--split", default="test", choices=["validation", "test"])
-    parser.add_argument("--adapter", type=Path, help="a LoRA adapter on nano")
+    parser.add_argument("--model", default="nano", help="nano, or a model folder")
+    parser.add_argument("--adapter", type=Path, help="a LoRA adapter on the model")
     parser.add_argument(
         "--old", type=int, default=0, help="examples of shapes and ocr too"
     )
     args = parser.parse_args(argv)
     if args.n < 3:
         parser.error("--n must be at least 3: clothing asks three tasks")
-    record = evaluate(args.n, args.split, args.adapter, args.old)
+    record = evaluate(args.n, args.split, args.adapter, args.old, args.model)
     out = (
         args.out
         or ROOT / "paligemma_lib/assets/real" / f"real-gap-{record['date']}.json"
