@@ -18,7 +18,8 @@ that name the file (`read_json`), and the Hugging Face cache (read, never
 downloaded)."""
 
 # %% ../book/06_tokenizer_and_processor.ipynb #c053o
-SHIPPED = {"nano": "assets/nano"}  # name -> its folder inside the package
+# name -> its folder inside the package; nano-real: chapter 12.2's fine-tune
+SHIPPED = {"nano": "assets/nano", "nano-real": "assets/nano-real"}
 
 
 def shipped_model_path(name: str) -> Path:

@@ -151,12 +151,16 @@ SHIPPED_FILES = {
 }
 
 
-def test_the_shipped_nano_model():
-    "paligemma_lib/assets/nano: the model files of a training run, and nothing else"
+@pytest.mark.parametrize("name", ["nano", "nano-real"])
+def test_the_shipped_models(name):
+    "paligemma_lib/assets/NAME: the model files of a training run, and nothing else"
     import json
 
-    folder = ROOT / "paligemma_lib" / "assets" / "nano"
-    assert folder.is_dir(), "ship it: python tools/ship_nano.py TRAINING_OUTPUT"
+    from paligemma_lib.model_files import SHIPPED
+
+    assert set(SHIPPED) == {"nano", "nano-real"}
+    folder = ROOT / "paligemma_lib" / "assets" / name
+    assert folder.is_dir(), f"ship it: python tools/ship_nano.py TRAINING_OUTPUT {name}"
     assert {p.name for p in folder.iterdir()} == SHIPPED_FILES  # no checkpoints/
     total = sum(p.stat().st_size for p in folder.iterdir())
     assert total <= 25_000_000, f"{total / 1e6:.1f} MB, over 25 MB"
@@ -167,7 +171,7 @@ def test_the_shipped_nano_model():
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"][
         "setuptools"
     ]["package-data"]["paligemma_lib"]
-    assert "assets/nano/*" in package_data  # in the wheel, not only in the repository
+    assert f"assets/{name}/*" in package_data  # in the wheel, not only the repository
 
 
 def floor_pins() -> dict[str, str]:

@@ -4,12 +4,14 @@ folder into paligemma_lib/assets/nano/, which `load_pretrained("nano")` and
 `PaliGemmaProcessor.from_pretrained("nano")` read.
 
     python tools/ship_nano.py /work/nano-run
+    python tools/ship_nano.py /work/real-run nano-real   # chapter 12.2's model
 
-SRC is the --out folder of `python -m paligemma_lib train --config nano ...`. Exactly
-the six model files are copied (never checkpoints/, the optimiser states). The files
-must total at most 25 MB and load (model and processor) from SRC and again from the
-copy; otherwise nothing in the package changes, and the reason is printed on one
-line."""
+SRC is the --out folder of `python -m paligemma_lib train --config nano ...`; NAME,
+a key of model_files.SHIPPED (default nano), the folder under paligemma_lib/assets/.
+Exactly the six model files are copied (never checkpoints/, the optimiser states).
+The files must total at most 25 MB and load (model and processor) from SRC and again
+from the copy; otherwise nothing in the package changes, and the reason is printed on
+one line."""
 
 import json
 import shutil
@@ -102,12 +104,18 @@ def ship(src: Path, dest: Path = DEST) -> str:
 
 
 def main(argv=None) -> int:
+    from paligemma_lib.model_files import SHIPPED
+
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0].startswith("-"):
+    if not 1 <= len(argv) <= 2 or argv[0].startswith("-"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
+    name = argv[1] if len(argv) == 2 else "nano"
+    if name not in SHIPPED:
+        print(f"error: {name} is no shipped model's name ({', '.join(SHIPPED)})")
+        return 2
     try:
-        print(ship(Path(argv[0])))
+        print(ship(Path(argv[0]), DEST.parent / name))
     except Refused as e:
         print(f"error: refused: {e}", file=sys.stderr)
         return 1
