@@ -1031,3 +1031,28 @@ def test_the_readme_first_command_and_what_nano_has_seen(capsys):
     assert 210 <= min(corners)[0] and max(corners)[0] <= 250
     nano = load_pretrained("nano").config.text.max_position_embeddings
     assert f"8192 for PaliGemma, {nano} for `nano`" in readme
+
+
+def test_the_readme_number_is_read_right_by_nano_real(capsys):
+    """README's handwritten number: a test example of chapter 12.2's handwriting
+    world (book/figures/make_real_number.py), which nano-real reads as it says"""
+    from paligemma_lib.data import SyntheticDataset
+    from paligemma_lib.real_images import mnist_5k  # noqa: F401  (adds the world)
+
+    root = Path(__file__).resolve().parents[1]
+    picture = root / "book/figures/real_number.png"
+    ex = SyntheticDataset("handwriting", "test", size=402).example(401)
+    assert np.array_equal(np.asarray(load_image(picture)), np.asarray(ex.image))
+    command = "--model nano-real --image book/figures/real_number.png --prompt ocr"
+    readme = " ".join((root / "README.md").read_text().split())
+    assert f"python -m paligemma_lib generate {command}" in readme
+    assert f"It prints `{ex.answer}`" in readme
+    assert main(["generate", *command.split()]) == 0
+    assert capsys.readouterr().out == ex.answer + "\n"
+    # the warning beside it: chapter 12.2's test record
+    after = root / "paligemma_lib/assets/real/real-after-2026-11-26.json"
+    metrics = json.loads(after.read_text())["metrics"]
+    read = metrics["handwriting"]["ocr"]["exact match"]
+    counted = metrics["clothing"]["count"]["exact match"]
+    assert f"reads {read:.0%} of such test numbers whole" in readme
+    assert f"counts {counted:.0%} of clothing scenes right" in readme

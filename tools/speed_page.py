@@ -60,6 +60,7 @@ MID = "mid (vision 256x4 @112px, text 512x4, vocab 8192)"  # the int8 records' c
 DATA_PIPELINE = "train-cpu-20261123-1958.json"
 NANO_CPU = "nano-cpu-run-f901a61.json"
 NANO_GPU = ROOT / "paligemma_lib" / "assets" / "nano" / "training_record.json"
+NANO_REAL = ROOT / "paligemma_lib" / "assets" / "nano-real" / "training_record.json"
 # benchmarks/gpu.py did not yet write its command into the record
 GPU_COMMAND = "python benchmarks/gpu.py --out benchmarks/results"
 GIB = 2**30
@@ -337,18 +338,33 @@ def nano_training() -> str:
                 f"{examples / run['seconds']:,.1f}",
             ]
         )
+    real = record(NANO_REAL)  # resumed: its seconds are the last process's steps
+    first, last = real["segments"][-1]["steps"]
+    batch = real["train_config"]["batch_size"]
+    rows.append(
+        [
+            f"`nano-real` (12.2), steps {first:,}-{last:,}",
+            real["device"].split(": ", 1)[-1],
+            f"{last - first:,} x {batch}",
+            f"{real['seconds']:,.1f}",
+            f"{(last - first) * batch / real['seconds']:,.1f}",
+        ]
+    )
     gpu_rate = gpu["steps"] * gpu["train_config"]["batch_size"] / gpu["seconds"]
     cpu_rate = cpu["steps"] * cpu["train_config"]["batch_size"] / cpu["seconds"]
     return "\n\n".join(
         [
             "## Training the nano model",
             "The shipped `nano` model's run and the first run on a CPU, from their "
-            "training records (evaluations included in the time).",
+            "training records (evaluations included in the time), and chapter 12.2's "
+            "fine-tune of every weight of nano on real pictures, from the step it "
+            "resumed at (its first 800 steps ran beside another run).",
             table(["run", "device", "steps x batch", "seconds", "examples/s"], rows),
             f"The GPU run went about {gpu_rate / cpu_rate:.0f} times faster. "
-            "*Records:* `paligemma_lib/assets/nano/training_record.json` and "
+            "*Records:* `paligemma_lib/assets/nano/training_record.json`, "
+            "`paligemma_lib/assets/nano-real/training_record.json` and "
             f"`benchmarks/results/{NANO_CPU}`. *Commands:*",
-            shell(gpu["command"], cpu["command"]),
+            shell(gpu["command"], cpu["command"], real["command"]),
         ]
     )
 
