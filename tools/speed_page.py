@@ -343,7 +343,7 @@ def nano_training() -> str:
     batch = real["train_config"]["batch_size"]
     rows.append(
         [
-            f"`nano-real` (12.2), steps {first:,}-{last:,}",
+            f"`nano-real` (12.2), its last {last - first:,} steps",
             real["device"].split(": ", 1)[-1],
             f"{last - first:,} x {batch}",
             f"{real['seconds']:,.1f}",
