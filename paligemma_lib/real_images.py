@@ -11,7 +11,7 @@ __all__ = ['FASHION_MNIST_FILES', 'FASHION_MNIST_URL', 'FASHION_MNIST_MD5',
            'digit_pool', 'phrase', 'clothing_caption', 'place_squares',
            'item_tensors', 'LogisticRegression', 'SmallCNN',
            'train_classifier', 'confusion_matrix', 'caption_items',
-           'naming_pairs', 'digits_right']
+           'naming_pairs', 'digits_right', 'measures', 'print_side_by_side']
 
 # %% ../book/12c_real_images.ipynb #r003
 import gzip
@@ -540,3 +540,40 @@ def digits_right(rows: list) -> float:
         a == b for r in rows for a, b in zip(r["answer"], r["prediction"])
     )
     return right / sum(len(r["answer"]) for r in rows)
+
+# %% ../book/12c_real_images.ipynb #e22fabce
+from statistics import mean
+
+from .evaluation import task_of
+
+
+def measures(record: dict) -> dict:
+    """A record of tools/evaluate_real_gap.py -> its measures: the new worlds
+    item by item, then chapter 11's"""
+    rows, m = record["rows"], record["metrics"]
+    captions = [r for r in rows if r["world"] == "clothing"
+                and task_of(r["prompt"]) == "caption"]  # fmt: skip
+    numbers = [r for r in rows if r["world"] == "handwriting"]
+    three = [r for r in numbers if len(r["answer"]) == 3]
+    return {
+        "items named": mean(a == b for a, b in naming_pairs(captions)),
+        "items counted": m["clothing"]["count"]["exact match"],
+        "item boxes, mean IoU": m["clothing"]["detection"]["mean IoU"],
+        "numbers read": m["handwriting"]["ocr"]["exact match"],
+        "3-digit numbers read": mean(
+            r["answer"] == r["prediction"] for r in three
+        ),  # fmt: skip
+        "digits read": digits_right(numbers),
+        "ch. 11 shapes captioned": m["shapes"]["caption"]["exact match"],
+        "ch. 11 boxes, IoU >= 0.5": m["shapes"]["detection"]["IoU >= 0.5"],
+        "ch. 11 text read": m["ocr"]["ocr"]["exact match"],
+    }
+
+
+def print_side_by_side(columns: dict) -> None:
+    "One line a measure, one column a record"
+    names = list(columns)
+    print(f"{'':<26}" + "".join(f"{n:>13}" for n in names))
+    for measure in next(iter(columns.values())):
+        values = "".join(f"{columns[n][measure]:>13.3f}" for n in names)
+        print(f"{measure:<26}{values}")

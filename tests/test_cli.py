@@ -1050,7 +1050,7 @@ def test_the_readme_number_is_read_right_by_nano_real(capsys):
     assert main(["generate", *command.split()]) == 0
     assert capsys.readouterr().out == ex.answer + "\n"
     # the warning beside it: chapter 12.2's test record
-    after = root / "paligemma_lib/assets/real/real-after-2026-11-26.json"
+    after = root / "paligemma_lib/assets/real/real-after-gpu-20261126-1339.json"
     metrics = json.loads(after.read_text())["metrics"]
     read = metrics["handwriting"]["ocr"]["exact match"]
     counted = metrics["clothing"]["count"]["exact match"]
