@@ -5,8 +5,8 @@ python book/figures/make_real_number.py
 The picture is a test example of chapter 12.2's handwriting world (real MNIST
 digits, none of them seen in training), drawn by `make_example`. From test seed
 START on, the first three-digit number that the shipped `nano-real` reads right
-is the one saved, and its seed printed; nano-real reads about half of such
-numbers right (chapter 12.2), so the README says so beside it.
+is the one saved, and its seed printed; nano-real reads 84% of such numbers
+right (chapter 12.2), and the README says so beside it.
 tests/test_cli.py reads the picture with the same command.
 """
 
