@@ -573,7 +573,7 @@ def measures(record: dict) -> dict:
 def print_side_by_side(columns: dict) -> None:
     "One line a measure, one column a record"
     names = list(columns)
-    print(f"{'':<26}" + "".join(f"{n:>13}" for n in names))
+    print(f"{'':<26}" + "".join(f"{n:>12}" for n in names))
     for measure in next(iter(columns.values())):
-        values = "".join(f"{columns[n][measure]:>13.3f}" for n in names)
+        values = "".join(f"{columns[n][measure]:>12.3f}" for n in names)
         print(f"{measure:<26}{values}")

@@ -17,7 +17,9 @@ import gpu_run  # noqa: E402
 
 def test_the_parts_fit_nine_minutes_and_eight_files():
     assert list(gpu_run.BUDGETS) == list(gpu_run.PARTS)
-    assert sum(gpu_run.BUDGETS.values()) <= 9 * 60
+    # a call: the default parts together, or `real` alone (issue 41)
+    assert sum(gpu_run.BUDGETS[p] for p in gpu_run.DEFAULT_PARTS) <= 9 * 60
+    assert gpu_run.BUDGETS["real"] <= 9 * 60
     assert len(gpu_run.FILES) <= 8
 
 

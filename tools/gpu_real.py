@@ -184,7 +184,7 @@ def verdict(new: dict, shipped: dict, nano: dict) -> dict:
     }
 
 
-def ingest_real(first_piece: Path, results: Path, stamp: str) -> dict:
+def ingest_real(first_piece: Path, stamp: str) -> dict:
     """Grade the returned model beside the shipped nano-real and nano on validation
     (the choice); if it ships, grade it once on test, into the package's records"""
     from evaluate_real_gap import evaluate
@@ -198,21 +198,27 @@ def ingest_real(first_piece: Path, results: Path, stamp: str) -> dict:
         for name, source in (("new", model), ("shipped", "nano-real"), ("nano", "nano"))
     }
     seen = {k: measures(r) for k, r in graded.items()}
+    run = json.loads((model / "training_record.json").read_text())
+    trained = {"steps": run["steps"], "batch_size": run["train_config"]["batch_size"],
+               "seconds": run["seconds"], "worlds": run["worlds"],
+               "device": run["device"]}  # fmt: skip
     record = {
         "command": graded["new"]["command"].replace(str(model), "MODEL"),
         "commit": graded["new"]["commit"],
         "model_sha256": {k: r["model_sha256"] for k, r in graded.items()},
+        "trained": trained,
         "measures": seen,
         "verdict": verdict(seen["new"], seen["shipped"], seen["nano"]),
     }
-    (results / f"real-gpu-validation-{stamp}.json").write_text(
+    real = ROOT / "paligemma_lib/assets/real"  # chapter 12.2 reads both records
+    (real / f"real-gpu-validation-{stamp}.json").write_text(
         json.dumps(record, indent=1) + "\n"
     )
     print(json.dumps(record["verdict"], indent=1))
     if record["verdict"]["ships"]:
         print(ship(model, DEST.parent / "nano-real"))
         test = evaluate(300, "test", old=200, model="nano-real")
-        out = ROOT / "paligemma_lib/assets/real" / f"real-after-gpu-{stamp}.json"
+        out = real / f"real-after-gpu-{stamp}.json"
         out.write_text(json.dumps(test, indent=1) + "\n")
         print(f"graded on test: {out}", measures(test))
     return record

@@ -584,7 +584,7 @@ def ingest(folder: Path) -> int:
     if (folder / "segment-adapter.tar").exists():
         grade_adapter(folder / "segment-adapter.tar", results, stamp)
     if (folder / "real-model.tar.0").exists():
-        gpu_real.ingest_real(folder / "real-model.tar.0", results, part_stamp("real"))
+        gpu_real.ingest_real(folder / "real-model.tar.0", part_stamp("real"))
     subprocess.run([sys.executable, "tools/speed_page.py"], cwd=ROOT, check=True)
     return 0
 
