@@ -34,11 +34,13 @@ from .demo import (
     adapter_disabled,
     answer_attention,
     example_image,
+    examples_for,
     heatmap,
     open_upload,
     run_task,
 )
 from .lora import lora_modules
+from .model_files import resolve_model_path
 from .segmentation import draw_segments
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -85,12 +87,12 @@ def picture(label: str, elem_id: str, visible: bool = True) -> gr.Image:
     )
 
 
-def image_panel() -> SimpleNamespace:
+def image_panel(examples: dict) -> SimpleNamespace:
     "Where the image comes from: an upload or a bundled example, and its preview"
     with gr.Column():
         upload = gr.File(label="Upload an image", elem_id="upload")
         example = gr.Radio(
-            list(EXAMPLES), label="or a bundled example", elem_id="examples"
+            list(examples), label="or a bundled example", elem_id="examples"
         )
         preview = picture("Image", "preview")
     return SimpleNamespace(upload=upload, example=example, preview=preview)
@@ -276,7 +278,7 @@ def detached_adapter(model, folder) -> dict:
     return layers
 
 
-def page_handlers(model, processor, adapter: str | None, segment=None):
+def page_handlers(model, processor, adapter: str | None, segment=None, examples=None):
     """The page's event handlers, bound to the one model every session shares;
     `segment`: the segment adapter's layers (detached_adapter), or None"""
 
@@ -295,7 +297,7 @@ def page_handlers(model, processor, adapter: str | None, segment=None):
     def on_example(name):
         if not name:  # the page's 7 outputs, all but the image left as they are
             return None, None, "", gr.update(), gr.update(), gr.update(), ""
-        _, _, example_task, example_text = EXAMPLES[name]
+        _, _, example_task, example_text = (examples or EXAMPLES)[name]
         image = example_image(name)
         adapter_now = on_task(example_task)
         return image, image, "", example_task, example_text, adapter_now, ""
@@ -416,13 +418,18 @@ def connect(source, controls, shown, looked, states, on):
 
 
 def build_app(
-    model, processor, adapter: str | None = None, segment: dict | None = None
+    model,
+    processor,
+    adapter: str | None = None,
+    segment: dict | None = None,
+    examples: dict = EXAMPLES,
 ) -> gr.Blocks:
     """The page. `model` may carry one LoRA adapter, named `adapter`; the page
     lets the user switch it (it follows the task: on for the receipt task, off
     for the others, the first task, caption, included).
     `segment`: the layers of a segment adapter (detached_adapter), on by default
-    for the segment task"""
+    for the segment task. `examples`: the bundled examples offered (EXAMPLES, or
+    examples_for the served model, with chapter 12.2's real pictures)"""
     with gr.Blocks(title="PaliGemma from scratch", analytics_enabled=False) as app:
         image_state = gr.State(None)  # the PIL image asked about
         maps_state = gr.State(None)  # [T, L, side, side]: attention, heads averaged
@@ -434,7 +441,7 @@ def build_app(
             f"{MAX_IMAGE_PIXELS // 10**6} megapixels."
         )
         with gr.Row():
-            source = image_panel()
+            source = image_panel(examples)
             controls = task_panel(adapter, segment=bool(segment))
         with gr.Row():
             shown = answer_panel()
@@ -446,7 +453,7 @@ def build_app(
             shown,
             looked,
             (image_state, maps_state, unread_state),
-            page_handlers(model, processor, adapter, segment),
+            page_handlers(model, processor, adapter, segment, examples),
         )
     return app
 
@@ -506,6 +513,7 @@ def serve(
     if segment_path is not None:
         print(f"segment task: adapter {Path(segment_path).name}")
     print(f"open http://{host}:{port} (Ctrl-C stops)")
-    app = build_app(model, processor, adapter=name, segment=segment)
+    examples = examples_for(resolve_model_path(model_path))
+    app = build_app(model, processor, adapter=name, segment=segment, examples=examples)
     launch(app, host=host, port=port)
     return 0

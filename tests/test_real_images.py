@@ -223,3 +223,26 @@ def test_naming_pairs_and_digits_grade_place_by_place():
         {"answer": "25", "prediction": "2"},  # 1 of 2: the missing digit is wrong
     ]
     assert digits_right(numbers) == 4 / 6
+
+
+def test_the_demos_real_pictures_are_the_worlds_test_scenes():
+    """The pictures the package ships for the demo (chapter 13, REAL_EXAMPLES) are
+    the scenes make_example draws, from the test split, past the 300 graded"""
+    from paligemma_lib.demo import REAL_EXAMPLES, example_image
+
+    for name, (world, seed, task, _) in REAL_EXAMPLES.items():
+        assert seed in SPLITS["test"] and seed - SPLITS["test"].start >= 300
+        drawn = make_example(world, seed, task)
+        assert np.array_equal(np.asarray(example_image(name)), np.asarray(drawn.image))
+
+
+def test_the_demo_offers_real_pictures_to_a_model_that_saw_them(tmp_path):
+    "examples_for reads the model's training record: its worlds, or none"
+    from paligemma_lib.demo import EXAMPLES, REAL_EXAMPLES, examples_for
+    from paligemma_lib.model_files import resolve_model_path
+
+    assert examples_for(resolve_model_path("nano")) == EXAMPLES
+    assert examples_for(resolve_model_path("nano-real")) == EXAMPLES | REAL_EXAMPLES
+    assert examples_for(tmp_path) == EXAMPLES  # no record: chapter 11's only
+    (tmp_path / "training_record.json").write_text('{"worlds": {"handwriting": 1}}')
+    assert set(REAL_EXAMPLES) <= set(examples_for(tmp_path))

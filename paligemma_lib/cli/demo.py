@@ -7,6 +7,7 @@ import socket
 
 from .interrupt import ON_INTERRUPT
 from .options import (
+    DEFAULT_MODEL,
     DEVICE_HELP,
     adapter_folder,
     add_model_arguments,
@@ -28,14 +29,14 @@ def add_demo_parser(commands) -> None:
         default=None,
         help="a LoRA adapter folder in PEFT's format or a shipped adapter's name, "
         "switchable in the page (on for the receipt task), or 'none'. Default: "
-        "the shipped receipts adapter (chapter 12) when the package has it",
+        "the shipped receipts adapter (chapter 12) when serving the shipped nano",
     )
     demo.add_argument(
         "--segment-adapter",
         default=None,
         help="the LoRA adapter (folder or shipped name) of the segment task "
         "(section 12.1), on for it and switchable in the page, or 'none'. Default: "
-        "the shipped segment adapter when the package has it; without one, the "
+        "the shipped segment adapter when serving the shipped nano; without one, the "
         "segment task answers without an adapter and says so",
     )
     demo.add_argument(
@@ -54,9 +55,16 @@ def demo_command(args: argparse.Namespace, argv=None) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     check_device(args.device)
-    adapter = adapter_flag("--adapter", args.adapter, shipped_adapter("receipts"))
+    # the shipped adapters were trained on the shipped nano: another model (even
+    # nano-real, fine-tuned from it) gets none unless asked for
+    nano = args.model == DEFAULT_MODEL
+    adapter = adapter_flag(
+        "--adapter", args.adapter, shipped_adapter("receipts") if nano else None
+    )
     segment = adapter_flag(
-        "--segment-adapter", args.segment_adapter, shipped_adapter("segment")
+        "--segment-adapter",
+        args.segment_adapter,
+        shipped_adapter("segment") if nano else None,
     )
     check_model(args.model)
     check_port(args.host, args.port)
