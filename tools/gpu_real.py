@@ -108,6 +108,9 @@ def real(run, budget: float) -> dict:
     size = 2 if run.rehearse else 128
     workers = 1 if run.rehearse else max(1, os.cpu_count() - 1)
     base = [*REAL_RUN, "--workers", str(workers)]
+    # GPU_REAL_FROM=nano-real: go on from the shipped model (a new schedule), for
+    # more steps than one call's ten minutes hold
+    base[base.index("--model") + 1] = os.environ.get("GPU_REAL_FROM", "nano")
     if run.rehearse:
         base[base.index("--batch-size") + 1] = str(size)
     driver = Driver(work, work, base)
