@@ -433,7 +433,7 @@ REAL_EXAMPLES = {
     "handwritten number": ("handwriting", 1_000_010_406, "ocr", ""),
 }
 
-
+# %% ../book/13_demo.ipynb #d310
 def real_example_path(name: str) -> Path:
     "The shipped picture of a real example (a key of REAL_EXAMPLES)"
     world = REAL_EXAMPLES[name][0]
