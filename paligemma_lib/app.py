@@ -513,7 +513,8 @@ def serve(
     if segment_path is not None:
         print(f"segment task: adapter {Path(segment_path).name}")
     print(f"open http://{host}:{port} (Ctrl-C stops)")
-    examples = examples_for(resolve_model_path(model_path))
+    # the receipt example only where an adapter (the receipt task's) is served
+    examples = examples_for(resolve_model_path(model_path), receipts=bool(name))
     app = build_app(model, processor, adapter=name, segment=segment, examples=examples)
     launch(app, host=host, port=port)
     return 0

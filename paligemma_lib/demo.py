@@ -449,12 +449,14 @@ def example_image(name: str) -> Image.Image:
     return make_example(world, seed).image
 
 
-def examples_for(model_folder) -> dict:
-    """The bundled examples the page offers a model: chapter 11's, and the
-    real ones if its training saw their worlds (its training record says)"""
+def examples_for(model_folder, receipts: bool = True) -> dict:
+    """The bundled examples the page offers a model: chapter 11's (the receipt
+    only if `receipts`: an adapter that reads it is served), and the real ones
+    if its training saw their worlds (its training record says)"""
     record = Path(model_folder) / "training_record.json"
     seen = set()
     if record.is_file():
         seen = set(json.loads(record.read_text()).get("worlds", {}))
     real = {world for world, _, _, _ in REAL_EXAMPLES.values()}
-    return EXAMPLES | (REAL_EXAMPLES if real & seen else {})
+    offered = {k: v for k, v in EXAMPLES.items() if receipts or k != "receipt"}
+    return offered | (REAL_EXAMPLES if real & seen else {})

@@ -246,3 +246,6 @@ def test_the_demo_offers_real_pictures_to_a_model_that_saw_them(tmp_path):
     assert examples_for(tmp_path) == EXAMPLES  # no record: chapter 11's only
     (tmp_path / "training_record.json").write_text('{"worlds": {"handwriting": 1}}')
     assert set(REAL_EXAMPLES) <= set(examples_for(tmp_path))
+    # the receipt example only for a page that serves the adapter reading it
+    offered = examples_for(tmp_path, receipts=False)
+    assert "receipt" not in offered and set(offered) > set(REAL_EXAMPLES)
