@@ -188,24 +188,3 @@ def test_the_segment_part_trains_the_recipe_chapter_12_1_chose():
                                 "lr": 2e-3}  # fmt: skip
     flags = runs["rows"]
     assert float(flags[flags.index("--lr") + 1]) == chosen["recipe"]["lr"]
-
-
-def test_adapters_are_compared_on_the_same_scenes():
-    "The ship rule: the mean difference a scene, and its standard error"
-    graded = [
-        (1, "circle", 0.5),
-        (1, "square", 0.7),
-        (2, "circle", 0.4),
-        (3, "square", 0.9),
-    ]
-    rows = [{"seed": seed, "prompt": f"segment {kind}", "grades": {"model": [iou]}}
-            for seed, kind, iou in graded]  # fmt: skip
-    better = [{**r, "grades": {"model": [r["grades"]["model"][0] + d]}}
-              for r, d in zip(rows, [0.1, 0.1, 0.0, 0.2])]  # fmt: skip
-    paired = gpu_run.scene_differences(better, rows)
-    # scenes 1, 2, 3 gain 0.1, 0.0 and 0.2: mean 0.1, sd 0.1, se 0.1 / sqrt(3)
-    assert paired["scenes"] == 3
-    assert paired["mean"] == pytest.approx(0.1)
-    assert paired["standard error"] == pytest.approx(0.1 / 3**0.5)
-    with pytest.raises(AssertionError):  # other scenes are refused
-        gpu_run.scene_differences(better[1:] + better[:1], rows)

@@ -9,6 +9,10 @@ clothing (caption, count, detect, a third each) and handwriting (ocr), greedily,
 with the library, for the chapter): the git commit, the sha256 of nano's weights,
 every example's seed, prompt, answer and prediction (so the chapter can grade them
 again) and chapter 11.2's metrics (`compute_metrics`).
+
+On the test split, the examples start at `--start`, by default the first past every
+range the ledger (paligemma_lib/assets/ledger.json) lists as spent in these worlds, and
+they are written into the ledger before the grade; a range graded before is refused.
 """
 
 import argparse
@@ -20,6 +24,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from torch.utils.data import Subset
 
 import paligemma_lib.real_images  # noqa: F401  (adds the two worlds)
 from paligemma_lib import PaliGemmaProcessor, load_pretrained
@@ -30,6 +35,7 @@ from paligemma_lib.model_files import resolve_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evaluate_fresh import git_commit  # noqa: E402
+from ship_rules import LEDGER, fresh_start, read_ledger, spend  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_NEW_TOKENS = 80  # four items' caption: about 60 tokens of this vocabulary
@@ -37,20 +43,31 @@ ASKED = {"clothing": ("caption", "count", "detect"), "handwriting": ("ocr",)}
 OLD_WORLDS = {"shapes": ("caption", "count", "colour", "detect"), "ocr": ("ocr",)}
 
 
-def ask(model, processor, world, task, n: int, split="test") -> list[dict]:
-    "The model's answers to the first n examples of `split` of `world` asking `task`"
-    data = SyntheticDataset(world, split=split, size=n, task=task)
-    rows = predict(model, processor, data, batch_size=32, max_new_tokens=MAX_NEW_TOKENS)
-    for i, row in enumerate(rows):
+def ask(model, processor, world, task, n: int, split="test", start=0) -> list:
+    """The model's answers to examples start .. start+n-1 of `split` of `world`,
+    asking `task`"""
+    data = SyntheticDataset(world, split=split, size=start + n, task=task)
+    indices = range(start, start + n)
+    rows = predict(
+        model, processor, Subset(data, indices), 32, max_new_tokens=MAX_NEW_TOKENS
+    )
+    for i, row in zip(indices, rows, strict=True):
         row |= {"world": world, "index": i, "seed": data.seeds[i]}
     return rows
 
 
-def evaluate(n: int, split="test", adapter=None, old=0, model="nano") -> dict:
+def test_sizes(n: int, old: int) -> dict:
+    "How many examples of each world's split `evaluate(n, old=old)` reads"
+    asked = ASKED | (OLD_WORLDS if old else {})
+    return {w: (n if w in ASKED else old) // len(tasks) for w, tasks in asked.items()}
+
+
+def evaluate(n: int, split="test", adapter=None, old=0, model="nano", start=0) -> dict:
     """The record: every row, the metrics per world, the files, where and when.
     adapter: a LoRA adapter's folder on `model`; old: examples of chapter 11's
     worlds too (shapes and ocr), to see what fine-tuning kept; model: nano, or a
-    model folder (a full fine-tune's checkpoint)"""
+    model folder (a full fine-tune's checkpoint); start: the first index of
+    each world's split asked (the ledger's fresh test examples)"""
     torch.manual_seed(0)
     processor = PaliGemmaProcessor.from_pretrained("nano")
     base = model
@@ -66,7 +83,7 @@ def evaluate(n: int, split="test", adapter=None, old=0, model="nano") -> dict:
         mine = [
             r
             for t in tasks
-            for r in ask(model, processor, world, t, count // len(tasks), split)
+            for r in ask(model, processor, world, t, count // len(tasks), split, start)
         ]
         metrics[world] = compute_metrics(mine)
         rows += mine
@@ -75,6 +92,7 @@ def evaluate(n: int, split="test", adapter=None, old=0, model="nano") -> dict:
     command += f" --model {base}" if base != "nano" else ""
     command += f" --adapter {adapter}" if adapter is not None else ""
     command += f" --old {old}" if old else ""
+    command += f" --start {start}" if start else ""
     return {
         "command": command,
         "commit": git_commit(),
@@ -88,6 +106,7 @@ def evaluate(n: int, split="test", adapter=None, old=0, model="nano") -> dict:
             (Path(adapter) / "adapter_model.safetensors").read_bytes()
         ).hexdigest(),
         "split": split,
+        "start": start,
         "max_new_tokens": MAX_NEW_TOKENS,
         "seconds": round(time.perf_counter() - started, 1),
         "metrics": metrics,
@@ -107,10 +126,26 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--old", type=int, default=0, help="examples of shapes and ocr too"
     )
+    parser.add_argument(
+        "--start", type=int, help="the first index of each world's split (default: "
+        "0 for validation; for test, the ledger's first fresh)",
+    )  # fmt: skip
+    parser.add_argument("--why", default="a grade", help="what the ledger says")
     args = parser.parse_args(argv)
     if args.n < 3:
         parser.error("--n must be at least 3: clothing asks three tasks")
-    record = evaluate(args.n, args.split, args.adapter, args.old, args.model)
+    if args.split == "test":  # spent before the grade, refused if spent before
+        sizes = test_sizes(args.n, args.old)
+        if args.start is None:
+            args.start = fresh_start(read_ledger(), sizes)
+        by = f"tools/evaluate_real_gap.py --n {args.n} --old {args.old}"
+        for world, n in sizes.items():
+            spend(LEDGER, world, args.start, n, by, args.why)
+    elif args.start is None:
+        args.start = 0
+    record = evaluate(
+        args.n, args.split, args.adapter, args.old, args.model, args.start
+    )
     out = (
         args.out
         or ROOT / "paligemma_lib/assets/real" / f"real-gap-{record['date']}.json"

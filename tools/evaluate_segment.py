@@ -1,7 +1,7 @@
 # Hand-written, not exported from a notebook.
 """The shipped `segment` adapter on the segments world's test scenes, once (ch. 12.1).
 
-    python tools/evaluate_segment.py [--n 300] [--start 1000] [--out FILE]
+    python tools/evaluate_segment.py [--n 300] [--start N] [--out FILE]
 
 Writes benchmarks/results/segment-test-DATE.json, and the same under "evaluations" in
 the shipped adapter's training_record.json: the git commit, the sha256 of the adapter's
@@ -10,9 +10,10 @@ grade them again), and the metrics of chapter 12.1 (`summarize`): mask mIoU per 
 against the filled box and the class's average mask in the model's own boxes.
 
 Which test scenes: indices `--start` .. `--start + n - 1` of the segments world's test
-split. Indices 0-2 are graded by tests/test_cli.py with the base model; from 1000 on, no
-evaluation had looked at any before this script, and no choice of training used the test
-split (the run evaluated on the validation split).
+split; by default the first past every range that the ledger lists as spent
+(paligemma_lib/assets/ledger.json, tools/ship_rules.py), and the range is written into
+the ledger before the grade. A range graded before is refused: test is graded once.
+`--split validation` is a dry run that spends nothing.
 """
 
 import argparse
@@ -35,6 +36,7 @@ from paligemma_lib.segmentation import shipped_mask_vae_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evaluate_fresh import git_commit  # noqa: E402
+from ship_rules import LEDGER, fresh_start, read_ledger, spend  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_NEW_TOKENS = 80  # three segmented shapes: 68 tokens with <eos>
@@ -100,7 +102,10 @@ def evaluate(adapter: Path, split: str, start: int, n: int, batch_size=32) -> di
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=300)
-    parser.add_argument("--start", type=int, default=1000)
+    parser.add_argument(
+        "--start", type=int, help="the first scene (default: the ledger's first fresh)"
+    )
+    parser.add_argument("--why", default="a grade", help="what the ledger says")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--out", type=Path)
     parser.add_argument(
@@ -114,6 +119,13 @@ def main() -> int:
         or ROOT / "benchmarks" / "results" / f"segment-test-{date.today():%Y%m%d}.json"
     )
     adapter = resolve_adapter_path("segment")
+    if args.split == "test":  # spent before the grade, refused if spent before
+        if args.start is None:
+            args.start = fresh_start(read_ledger(), ["segments"])
+        by = f"tools/evaluate_segment.py --n {args.n} --start {args.start}"
+        spend(LEDGER, "segments", args.start, args.n, by, args.why)
+    elif args.start is None:
+        args.start = 0
     evaluation = evaluate(adapter, args.split, args.start, args.n, args.batch_size)
     # the shipped adapter's record carries it (the chapter reads it anywhere)
     record_file = adapter / "training_record.json"

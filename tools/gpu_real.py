@@ -14,9 +14,10 @@ writes the pictures' decompressed bytes xz-compressed (27 MB where the .gz files
 
 The run: nano, every weight, on the clothing and handwriting worlds with chapter 11's
 worlds mixed in, steps calibrated to the budget. The model comes back as a tar in
-pieces under 16 MiB (the return trip's limit a file). `--ingest` grades it on the same
-test examples as the shipped nano-real's record and ships it only if its largest
-shortfall from chapter 12.2's goals is smaller than the shipped model's.
+pieces under 16 MiB (the return trip's limit a file). `--ingest` compares it with the
+shipped nano-real on the same validation examples and ships it only by
+tools/ship_rules.py's rule; then it is graded once on fresh test examples
+(tools/gpu_ingest.py).
 """
 
 import gzip
@@ -159,69 +160,3 @@ def unpack_model(first_piece: Path, into: Path) -> Path:
     with tarfile.open(tar) as archive:
         archive.extractall(into / "model", filter="data")
     return into / "model"
-
-
-# --- afterwards, on this machine: graded, and shipped only if better ---
-
-GOALS = {"items named": 0.90, "3-digit numbers read": 0.90, "items counted": 0.97}
-KEPT = ("ch. 11 shapes captioned", "ch. 11 boxes, IoU >= 0.5", "ch. 11 text read")
-KEPT_LOSS = 0.02  # chapter 11's skills may fall this much below the shipped nano's
-
-
-def shortfalls(measured: dict, nano: dict) -> dict:
-    """How far a model is from each of chapter 12.2's goals (0 where met): the
-    three thresholds, and chapter 11's skills within KEPT_LOSS of `nano`'s"""
-    short = {k: max(0.0, goal - measured[k]) for k, goal in GOALS.items()}
-    short |= {k: max(0.0, nano[k] - KEPT_LOSS - measured[k]) for k in KEPT}
-    return {k: round(v, 4) for k, v in short.items()}
-
-
-def verdict(new: dict, shipped: dict, nano: dict) -> dict:
-    """Ship the new model if its largest shortfall from the goals is smaller than
-    the shipped model's: no goal may end further from reach than the worst is"""
-    mine, theirs = shortfalls(new, nano), shortfalls(shipped, nano)
-    return {
-        "new shortfalls": mine,
-        "shipped shortfalls": theirs,
-        "ships": max(mine.values()) < max(theirs.values()),
-    }
-
-
-def ingest_real(first_piece: Path, stamp: str) -> dict:
-    """Grade the returned model beside the shipped nano-real and nano on validation
-    (the choice); if it ships, grade it once on test, into the package's records"""
-    from evaluate_real_gap import evaluate
-    from ship_nano import DEST, ship
-
-    from paligemma_lib.real_images import measures
-
-    model = unpack_model(first_piece, Path(tempfile.mkdtemp()))
-    graded = {
-        name: evaluate(300, "validation", old=200, model=source)
-        for name, source in (("new", model), ("shipped", "nano-real"), ("nano", "nano"))
-    }
-    seen = {k: measures(r) for k, r in graded.items()}
-    run = json.loads((model / "training_record.json").read_text())
-    trained = {"steps": run["steps"], "batch_size": run["train_config"]["batch_size"],
-               "seconds": run["seconds"], "worlds": run["worlds"],
-               "device": run["device"]}  # fmt: skip
-    record = {
-        "command": graded["new"]["command"].replace(str(model), "MODEL"),
-        "commit": graded["new"]["commit"],
-        "model_sha256": {k: r["model_sha256"] for k, r in graded.items()},
-        "trained": trained,
-        "measures": seen,
-        "verdict": verdict(seen["new"], seen["shipped"], seen["nano"]),
-    }
-    real = ROOT / "paligemma_lib/assets/real"  # chapter 12.2 reads both records
-    (real / f"real-gpu-validation-{stamp}.json").write_text(
-        json.dumps(record, indent=1) + "\n"
-    )
-    print(json.dumps(record["verdict"], indent=1))
-    if record["verdict"]["ships"]:
-        print(ship(model, DEST.parent / "nano-real"))
-        test = evaluate(300, "test", old=200, model="nano-real")
-        out = real / f"real-after-gpu-{stamp}.json"
-        out.write_text(json.dumps(test, indent=1) + "\n")
-        print(f"graded on test: {out}", measures(test))
-    return record

@@ -34,8 +34,10 @@ to DIR as soon as it has results, so that a run cut short returns what it did:
 
 DIR receives at most 8 files: `FILES`. --ingest DIR (on this machine) puts them where
 they belong: benchmarks/results/, the speed page (A.2), chapter 12's bars for its GPU
-branch, and the adapter into the package only if it grades better than the shipped
-one on test scenes no choice has seen.
+branch, and a returned adapter or model into the package only if tools/ship_rules.py's
+rule says so on validation, beside the shipped one; then it is graded once on test
+examples the ledger (paligemma_lib/assets/ledger.json) has never seen
+(tools/gpu_ingest.py).
 """
 
 import argparse
@@ -57,6 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
+import gpu_ingest  # noqa: E402
 import gpu_real  # noqa: E402
 
 PARTS = ("branches", "t4", "segment", "speed", "real")
@@ -95,9 +98,6 @@ SEGMENT_LORA = ["--lora", "--lora-targets", "all", "--lora-r", "16",
                 "--lora-alpha", "32", "--lr", "2e-3"]  # fmt: skip
 SEGMENT_RUNS = {"lora": SEGMENT_LORA, "rows": [*SEGMENT_LORA, "--lora-tokens", "seg"]}
 SEGMENT_VALIDATION = 64  # validation scenes the choice reads
-SEGMENT_TEST_START = 1300  # --ingest grades from here on, after the shipped
-SEGMENT_TEST_SCENES = 300  # adapter's own test scenes: none has been seen
-SEGMENT_GOAL = 0.75  # chapter 12.1's goal for the mask mIoU
 CHAPTER_12 = ROOT / "book" / "12_fine_tuning.ipynb"  # its GPU branch's bars
 
 
@@ -582,9 +582,12 @@ def ingest(folder: Path) -> int:
     if t4_record and "metrics" in t4_record:
         set_chapter_bars(t4_record, f"benchmarks/results/{copies['run.json']}")
     if (folder / "segment-adapter.tar").exists():
-        grade_adapter(folder / "segment-adapter.tar", results, stamp)
+        gpu_ingest.ship_segment(folder / "segment-adapter.tar", part_stamp("segment"))
     if (folder / "real-model.tar.0").exists():
-        gpu_real.ingest_real(folder / "real-model.tar.0", part_stamp("real"))
+        model = gpu_real.unpack_model(
+            folder / "real-model.tar.0", Path(tempfile.mkdtemp())
+        )
+        gpu_ingest.ship_real(model, part_stamp("real"))
     subprocess.run([sys.executable, "tools/speed_page.py"], cwd=ROOT, check=True)
     return 0
 
@@ -621,72 +624,6 @@ def set_chapter_bars(recipe: dict, source: str, chapter: Path = CHAPTER_12):
                 print(f"chapter 12: GPU_BARS = {values}")
                 return
     raise SystemExit("chapter 12 has no line 'GPU_BARS = ...' to set")
-
-
-def scene_differences(new_rows: list, old_rows: list) -> dict:
-    """Two adapters graded on the same scenes: the mean over scenes of (new - old)
-    mean IoU in the scene, and its standard error"""
-    by_scene = {}
-    for new, old in zip(new_rows, old_rows, strict=True):
-        assert (new["seed"], new["prompt"]) == (old["seed"], old["prompt"])
-        pair = by_scene.setdefault(new["seed"], ([], []))
-        pair[0].extend(new["grades"]["model"])
-        pair[1].extend(old["grades"]["model"])
-    diffs = [sum(a) / len(a) - sum(b) / len(b) for a, b in by_scene.values() if a]
-    mean = sum(diffs) / len(diffs)
-    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
-    return {
-        "scenes": len(diffs),
-        "mean": mean,
-        "standard error": (var / len(diffs)) ** 0.5,
-    }
-
-
-def grade_adapter(tar: Path, results: Path, stamp: str):
-    """Grade the returned adapter and the shipped one on the same test scenes that
-    no evaluation has seen (those after the shipped adapter's); into the package,
-    its grade in its record, only if it beats the shipped adapter there by more
-    than two standard errors of the scenes' differences"""
-    from evaluate_segment import evaluate
-
-    from paligemma_lib.adapters import resolve_adapter_path
-
-    work = Path(tempfile.mkdtemp()) / "segment"
-    with tarfile.open(tar) as archive:
-        archive.extractall(work, filter="data")
-    shipped = resolve_adapter_path("segment")
-    old = json.loads((shipped / "training_record.json").read_text())
-    start = max(
-        SEGMENT_TEST_START, old["evaluations"]["segments/test"]["indices"][1] + 1
-    )
-    evaluation = evaluate(work, "test", start, SEGMENT_TEST_SCENES)
-    beside = evaluate(shipped, "test", start, SEGMENT_TEST_SCENES)
-    metrics = evaluation["metrics"]
-    better = max(metrics["filled box mIoU"], metrics["class mask mIoU"])
-    paired = scene_differences(evaluation["rows"], beside["rows"])
-    evaluation["verdict"] = {
-        "shipped mIoU, same scenes": beside["metrics"]["mIoU"],
-        "new - shipped, a scene": paired,
-        "beats the shipped adapter": paired["mean"] > 2 * paired["standard error"],
-        "meets the goal": metrics["mIoU"] >= SEGMENT_GOAL
-        and metrics["mIoU"] >= better + 0.10,
-    }
-    evaluation["shipped adapter on the same scenes"] = {
-        k: beside[k] for k in ("files", "metrics")
-    }
-    (results / f"segment-gpu-test-{stamp}.json").write_text(
-        json.dumps(evaluation, indent=1) + "\n"
-    )
-    print(evaluation["indices"], evaluation["verdict"], metrics["mIoU"])
-    if evaluation["verdict"]["beats the shipped adapter"]:
-        record = json.loads((work / "training_record.json").read_text())
-        record["evaluations"] = {"segments/test": evaluation}
-        for file in ("adapter_config.json", "adapter_model.safetensors"):
-            shutil.copyfile(work / file, shipped / file)
-        (shipped / "training_record.json").write_text(
-            json.dumps(record, indent=1) + "\n"
-        )
-        print(f"shipped: the GPU's adapter replaces {shipped}")
 
 
 def fetch_wheels() -> int:
