@@ -184,19 +184,20 @@ def ledger(tmp_path) -> Path:
 
 
 def test_a_test_range_is_spent_once(ledger):
-    with pytest.raises(ValueError, match="graded before.*grade from 1900 on"):
-        ship_rules.spend(ledger, "segments", 1800, 300, "me", "a try")
-    entry = ship_rules.spend(ledger, "segments", 1900, 300, "me", "a try")
-    assert (entry["start"], entry["stop"]) == (1900, 2199)
+    fresh = ship_rules.fresh_start(ship_rules.read_ledger(ledger), ["segments"])
+    with pytest.raises(ValueError, match=f"graded before.*grade from {fresh} on"):
+        ship_rules.spend(ledger, "segments", fresh - 100, 300, "me", "a try")
+    entry = ship_rules.spend(ledger, "segments", fresh, 300, "me", "a try")
+    assert (entry["start"], entry["stop"]) == (fresh, fresh + 299)
     with pytest.raises(ValueError, match="graded before"):
-        ship_rules.spend(ledger, "segments", 2199, 1, "me", "again")
-    ship_rules.spend(ledger, "clothing", 1900, 300, "me", "another world")
+        ship_rules.spend(ledger, "segments", fresh + 299, 1, "me", "again")
+    ship_rules.spend(ledger, "clothing", fresh, 300, "me", "another world")
 
 
 def test_the_ledger_holds_the_test_scenes_that_chose_or_graded():
-    "The history as it happened: segments 1000-1899, the real worlds' first ones"
+    "The history as it happened: segments 1000-2499, the real worlds' first ones"
     book = ship_rules.read_ledger()
-    assert ship_rules.fresh_start(book, ["segments"]) == 1900
+    assert ship_rules.fresh_start(book, ["segments"]) == 2500
     for world, stop in [("clothing", 406), ("handwriting", 599), ("shapes", 49),
                         ("ocr", 199)]:  # fmt: skip
         assert ship_rules.fresh_start(book, [world]) == stop + 1, world
