@@ -17,10 +17,56 @@ import gpu_run  # noqa: E402
 
 def test_the_parts_fit_nine_minutes_and_eight_files():
     assert list(gpu_run.BUDGETS) == list(gpu_run.PARTS)
-    # a call: the default parts together, or `real` alone (issue 41)
-    assert sum(gpu_run.BUDGETS[p] for p in gpu_run.DEFAULT_PARTS) <= 9 * 60
-    assert gpu_run.BUDGETS["real"] <= 9 * 60
+    # a call: the install, then the default parts together, or `real` alone
+    assert gpu_run.CALL == 9 * 60
+    default = sum(gpu_run.BUDGETS[p] for p in gpu_run.DEFAULT_PARTS)
+    assert gpu_run.INSTALL + default <= gpu_run.CALL
+    assert gpu_run.INSTALL + gpu_run.BUDGETS["real"] <= gpu_run.CALL
     assert len(gpu_run.FILES) <= 8
+
+
+def test_a_part_gets_no_more_than_the_call_has_left(tmp_path, monkeypatch):
+    "The call's deadline bounds every part's budget; past it, a part is not started"
+    given = {}
+
+    def part(name, spend):
+        def run_part(run, budget):
+            given[name] = budget
+            run.deadline -= spend  # as if the part had taken `spend` seconds
+            return {}
+
+        return run_part
+
+    monkeypatch.setattr(gpu_run, "REHEARSAL_CALL", 100)
+    monkeypatch.setattr(gpu_run, "check_output", lambda out, parts: [])
+    monkeypatch.setattr(
+        gpu_run, "PART_FUNCTIONS", {"t4": part("t4", 95), "speed": part("speed", 0)}
+    )
+    gpu_run.run_parts(tmp_path, ["t4", "speed"], rehearse=True)
+    assert given["t4"] <= 100 and "speed" not in given
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert "not started" in record["parts"]["speed"]["error"]
+
+
+def test_calibration_ends_at_its_budget_when_a_run_hangs(tmp_path, monkeypatch):
+    "A probe that prints nothing and never ends is killed when the budget ends"
+    import subprocess
+    import time
+
+    from gpu_driver import Driver
+
+    def hang(self, steps, extra, folder, pipe=False):
+        return subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            stdout=subprocess.PIPE if pipe else subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+
+    monkeypatch.setattr(Driver, "train", hang)
+    driver = Driver(tmp_path, tmp_path, [])
+    start = time.time()
+    assert driver.calibrate({"a": [], "b": []}, 4, 1, probe=3, floor=2) is None
+    assert time.time() - start < 60  # 3 s of budget; the child would sleep 600
+    assert "killed at the budget's end" in (tmp_path / "log.txt").read_text()
 
 
 def test_bars_are_three_standard_errors_below_and_never_zero():

@@ -10,6 +10,7 @@ validation split only; the test split is evaluated after the choice, once, to re
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,18 +59,31 @@ class Driver:
         """Run every configuration `probe` steps side by side (discarded); the time
         between the first run's evaluations at steps probe/3 and probe gives the
         rate. The step count that fits what is left of `budget` less `reserve`, a
-        multiple of `floor` and at least `floor` (None if calibration fails)"""
+        multiple of `floor` and at least `floor` (None if calibration fails, or
+        has not finished when only `reserve` is left of `budget`)"""
         stamps, procs, marks = {}, [], (f"step {probe // 3}:", f"step {probe}:")
         for i, (name, extra) in enumerate(runs.items()):
             small = [*extra, "--eval-size", str(eval_size)]
             small += ["--eval-every", str(probe // 3)]
             procs.append(self.train(probe, small, self.work / f"cal-{name}", i == 0))
-        for line in procs[0].stdout:
-            self.log.write(line)
-            if line.startswith(marks):
-                stamps[line.split(":")[0]] = time.time()
-        if any(p.wait() for p in procs) or len(stamps) != 2:
-            self.say("calibration failed; see the log")
+        # the budget's end less the reserve: the probes are killed there, so a run
+        # that hangs or prints nothing cannot hold the part past its budget
+        deadline = self.begin + budget - reserve
+        timer = threading.Timer(
+            max(0.0, deadline - time.time()), lambda: [p.kill() for p in procs]
+        )
+        timer.start()
+        try:
+            for line in procs[0].stdout:
+                self.log.write(line)
+                if line.startswith(marks):
+                    stamps[line.split(":")[0]] = time.time()
+            codes = [p.wait() for p in procs]
+        finally:
+            timer.cancel()
+        if any(codes) or len(stamps) != 2:
+            late = " (killed at the budget's end)" if time.time() >= deadline else ""
+            self.say(f"calibration failed{late}; see the log")
             return None
         per_step = (stamps[marks[1][:-1]] - stamps[marks[0][:-1]]) / (
             probe - probe // 3

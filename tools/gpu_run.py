@@ -65,11 +65,14 @@ import gpu_real  # noqa: E402
 PARTS = ("branches", "t4", "segment", "speed", "real")
 # what a plain run does; `real` (nano-real's training, issue 41) takes a call alone
 DEFAULT_PARTS = ("branches", "t4", "segment", "speed")
-BUDGETS = {"branches": 190, "t4": 90, "segment": 190, "speed": 70,  # 540 s
-           "real": 520}  # fmt: skip
+BUDGETS = {"branches": 180, "t4": 90, "segment": 180, "speed": 60,  # 510 s
+           "real": 500}  # fmt: skip
+INSTALL = 30  # the wheels' install (about 10 s), inside the call's 9 minutes
+CALL = 9 * 60  # a whole call: the install and every part end within it
 # the CPU rehearsal: the same steps, tiny
 REHEARSAL_BUDGETS = {"branches": 240, "t4": 150, "segment": 200, "speed": 40,
                      "real": 150}  # fmt: skip
+REHEARSAL_CALL = 30 * 60
 FILES = ("run.json", "book.json", "speed.json", "segment-adapter.tar", "log.txt",
          "real-model.tar.0", "real-model.tar.1")  # fmt: skip
 # the chapters whose cells branch on a GPU; chapter 13 has none (its page runs the
@@ -122,6 +125,12 @@ class Run:
                 for name, part in earlier.get("parts", {}).items()
             }
         self.budgets = REHEARSAL_BUDGETS if rehearse else BUDGETS
+        # every part ends by this time, whatever its own budget (time.time())
+        self.deadline = time.time() + (REHEARSAL_CALL if rehearse else CALL)
+
+    def left(self) -> float:
+        "Seconds until the call's deadline"
+        return self.deadline - time.time()
 
     def say(self, *words):
         line = " ".join(str(w) for w in words)
@@ -180,7 +189,7 @@ def install_wheels(run: Run):
         run.command(
             [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
              "--no-compile", "--upgrade", "--target", target, *wheels],
-            timeout=120,
+            timeout=INSTALL,
         )  # fmt: skip
         paths.insert(0, str(target))
     old = os.environ.get("PYTHONPATH")
@@ -439,16 +448,28 @@ def segment(run: Run, budget: float) -> dict:
     for name in finished:
         record = json.loads((work / name / "training_record.json").read_text())
         n = 8 if run.rehearse else SEGMENT_VALIDATION
-        metrics = segment_grade(work / name, "validation", 0, n)
+        graded = work / name / "validation.json"  # a child: it ends at the budget
+        status = run.command(
+            [sys.executable, __file__, "--child", "segment-grade", "--folder",
+             work / name, "--n", n, "--result", graded],
+            timeout=budget - (time.time() - driver.begin),
+        )  # fmt: skip
+        if not graded.exists():
+            result["runs"][name] = {"validation": status}
+            continue
+        metrics = json.loads(graded.read_text())
         result["runs"][name] = {
             "seconds": record["seconds"],
             "examples_per_s": round(steps * size / record["seconds"], 1),
             "validation": metrics,
         }
         run.say(f"segment {name}: validation mIoU {metrics['mIoU']:.3f}")
-    if not finished:
-        return result
-    best = max(finished, key=lambda n: result["runs"][n]["validation"]["mIoU"])
+    graded = [n for n in finished if "mIoU" in result["runs"][n]["validation"]]
+    if not graded:
+        return result | (
+            {"error": "no run was graded in the budget"} if finished else {}
+        )
+    best = max(graded, key=lambda n: result["runs"][n]["validation"]["mIoU"])
     result["chosen on validation"] = best
     with tarfile.open(run.out / "segment-adapter.tar", "w") as tar:  # the chosen
         for file in ("adapter_config.json", "adapter_model.safetensors",
@@ -502,10 +523,12 @@ def run_parts(out: Path, parts: list[str], rehearse: bool) -> int:
     run.say(f"gpu_run: {run.record['environment']}; parts {', '.join(parts)}")
     install_wheels(run)
     for part in parts:
-        budget = run.budgets[part]
-        run.say(f"== {part} (at most {budget} s)")
+        budget = min(run.budgets[part], run.left())  # the call's end comes first
+        run.say(f"== {part} (at most {budget:.0f} s)")
         start = time.perf_counter()
         try:
+            if budget < 10:
+                raise TimeoutError(f"{budget:.0f} s left of the call: not started")
             result = PART_FUNCTIONS[part](run, budget)
         except Exception as e:  # recorded; the next part runs
             traceback.print_exc(file=run.log)
@@ -662,9 +685,15 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child == "t4":
         t4_child(args.result, args.rehearse)
+        return 0
+    if args.child == "segment-grade":
+        metrics = segment_grade(args.folder, "validation", 0, args.n)
+        args.result.write_text(json.dumps(metrics) + "\n")
         return 0
     if args.ingest:
         return ingest(args.ingest)
