@@ -1058,6 +1058,12 @@ def test_the_readme_number_is_read_right_by_nano_real(capsys):
     shipped = root / "paligemma_lib/assets/nano-real/model.safetensors"
     assert graded["model_sha256"] == hashlib.sha256(shipped.read_bytes()).hexdigest()
     seen = measures(graded)
-    assert f"reads {seen['numbers read']:.0%} of such numbers whole" in readme
+    three = f"reads {seen['3-digit numbers read']:.0%} of three-digit numbers whole"
+    assert len(ex.answer) == 3 and three in readme
     assert f"counts {seen['items counted']:.0%} of clothing scenes right" in readme
     assert f"names only {seen['items named']:.0%} of the clothes" in readme
+    classic = json.loads(
+        (root / "paligemma_lib/assets/real/classic-2026-11-26.json").read_text()
+    )
+    cnn = classic["sources"]["clothing"]["runs"]["cnn"]["accuracy"]
+    assert f"one item at a time names {cnn:.0%}" in readme

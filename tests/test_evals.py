@@ -182,14 +182,24 @@ def test_readme_segment_numbers_are_the_record():
 
 
 def test_readme_segment_picture_is_a_graded_test_scene():
-    "The README's scene is test scene 1001 of the segments world, one of those graded"
+    """The README's scene is test scene 1001 of the segments world, graded with
+    the shipped adapter in its first report (kept in its record) and spent in the
+    ledger, so that the fresh grade's scenes stay unseen"""
     import numpy as np
 
     import paligemma_lib.segmentation  # noqa: F401  (adds the segments world)
     from paligemma_lib.image_processing import load_image
 
-    first, last = segment_evaluation()["indices"]
+    record = json.loads(
+        (resolve_adapter_path("segment") / "training_record.json").read_text()
+    )
+    first, last = record["evaluations"]["segments/test 2026-11-26"]["indices"]
     assert first <= 1001 <= last
+    fresh, fresh_last = segment_evaluation()["indices"]
+    assert not fresh <= 1001 <= fresh_last
+    ledger = json.loads((ROOT / "paligemma_lib/assets/ledger.json").read_text())
+    assert any(e["world"] == "segments" and e["start"] <= 1001 <= e["stop"]
+               for e in ledger["test ranges spent"])  # fmt: skip
     scene = SyntheticDataset("segments", "test", size=1002).example(1001)
     picture = load_image(ROOT / "book/figures/segment_scene.png")
     assert np.array_equal(np.asarray(picture), np.asarray(scene.image))
