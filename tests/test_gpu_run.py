@@ -3,6 +3,7 @@ place. The whole script runs in CI as `tools/gpu_run.py --rehearse` (.ci/run); t
 check the pieces that decide what is kept."""
 
 import ast
+import inspect
 import json
 import shutil
 import sys
@@ -234,3 +235,50 @@ def test_the_segment_part_trains_the_recipe_chapter_12_1_chose():
                                 "lr": 2e-3}  # fmt: skip
     flags = runs["rows"]
     assert float(flags[flags.index("--lr") + 1]) == chosen["recipe"]["lr"]
+
+
+# --- the part `profile` (issue 49 section 2) ---
+
+
+def test_profile_is_a_part_a_plain_run_leaves_out():
+    assert "profile" in gpu_run.PARTS and "profile" not in gpu_run.DEFAULT_PARTS
+    assert "profile.json" in gpu_run.FILES
+    assert gpu_run.INSTALL + gpu_run.BUDGETS["profile"] <= gpu_run.CALL
+
+
+def test_the_profile_reads_a_recipe_as_the_train_command_does():
+    import gpu_profile
+
+    args = gpu_profile.parsed(gpu_profile.SEGMENT_RUN, 100, batch_size=4)
+    assert (args.model, args.batch_size, args.lr, args.lora) == ("nano", 4, 2e-3, True)
+    assert (args.lora_r, args.lora_alpha, args.worlds) == (16, 32, "segments=1")
+    real = gpu_profile.parsed(gpu_profile.recipes()["real"], 100, None)
+    assert real.batch_size == 128  # the GPU's batch, as tools/gpu_real.py runs it
+
+
+def test_the_data_rate_is_timed_past_the_batches_built_ahead(monkeypatch):
+    "Workers build PREFETCH batches each while starting: those are not timed"
+    import types
+
+    import gpu_profile
+
+    import paligemma_lib.batching
+
+    taken = []
+
+    def fake(batches, start, workers):
+        def gen():
+            while True:
+                taken.append(1)
+                yield []
+
+        return gen()
+
+    monkeypatch.setattr(paligemma_lib.batching, "step_batches", fake)
+    batches = types.SimpleNamespace(config=types.SimpleNamespace(batch_size=8))
+    gpu_profile.data_rate(batches, workers=3, steps=2, warm=1)
+    ahead = (gpu_profile.PREFETCH + 1) * 3
+    assert len(taken) == 1 + ahead + 4 * 3  # warm, the queue, then 4 a worker
+    monkeypatch.undo()
+    source = inspect.getsource(paligemma_lib.batching.step_batches)
+    assert f"prefetch_factor={gpu_profile.PREFETCH}" in source

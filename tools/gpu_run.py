@@ -60,21 +60,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_ingest  # noqa: E402
+import gpu_profile  # noqa: E402
 import gpu_real  # noqa: E402
 
-PARTS = ("branches", "t4", "segment", "speed", "real")
-# what a plain run does; `real` (nano-real's training, issue 41) takes a call alone
+PARTS = ("branches", "t4", "segment", "speed", "real", "profile")
+# what a plain run does; `real` (nano-real's training, issue 41) takes a call alone,
+# `profile` (where a training step goes, issue 49) a call or the rest of one
 DEFAULT_PARTS = ("branches", "t4", "segment", "speed")
 BUDGETS = {"branches": 180, "t4": 90, "segment": 180, "speed": 60,  # 510 s
-           "real": 500}  # fmt: skip
+           "real": 500, "profile": 150}  # fmt: skip
 INSTALL = 30  # the wheels' install (about 10 s), inside the call's 9 minutes
 CALL = 9 * 60  # a whole call: the install and every part end within it
 # the CPU rehearsal: the same steps, tiny
 REHEARSAL_BUDGETS = {"branches": 240, "t4": 150, "segment": 200, "speed": 40,
-                     "real": 150}  # fmt: skip
+                     "real": 150, "profile": 150}  # fmt: skip
 REHEARSAL_CALL = 30 * 60
 FILES = ("run.json", "book.json", "speed.json", "segment-adapter.tar", "log.txt",
-         "real-model.tar.0", "real-model.tar.1")  # fmt: skip
+         "real-model.tar.0", "real-model.tar.1", "profile.json")  # fmt: skip
 # the chapters whose cells branch on a GPU; chapter 13 has none (its page runs the
 # model where it was loaded), and its Gradio is not on the GPU machine
 CHAPTERS = ("08_", "08b", "09_", "11b", "11c", "12_", "12b")
@@ -515,7 +517,7 @@ def speed(run: Run, budget: float) -> dict:
 
 
 PART_FUNCTIONS = {"branches": branches, "t4": t4, "segment": segment, "speed": speed,
-                  "real": gpu_real.real}  # fmt: skip
+                  "real": gpu_real.real, "profile": gpu_profile.profile}  # fmt: skip
 
 
 def run_parts(out: Path, parts: list[str], rehearse: bool) -> int:
@@ -560,7 +562,7 @@ def check_output(out: Path, parts: list[str]) -> list[str]:
             problems.append(f"run.json has no {key!r}")
     expected = {"branches": "book.json", "speed": "speed.json",
                 "segment": "segment-adapter.tar",
-                "real": "real-model.tar.0"}  # fmt: skip
+                "real": "real-model.tar.0", "profile": "profile.json"}  # fmt: skip
     for part in parts:
         if part not in record.get("parts", {}):
             problems.append(f"run.json has no part {part!r}")
@@ -596,6 +598,7 @@ def ingest(folder: Path) -> int:
         "run.json": f"gpu-run-{stamp}.json",
         "book.json": f"book-cuda-{stamp}.json",
         "speed.json": f"gpu-speed-{device.strip('-')}-{part_stamp('speed')}.json",
+        "profile.json": f"gpu-profile-{device.strip('-')}-{part_stamp('profile')}.json",
     }
     for name, target in copies.items():
         if (folder / name).exists():

@@ -1,0 +1,253 @@
+# Hand-written, not exported from a notebook.
+"""tools/gpu_run.py's part `profile` (issue 49 section 2): where a training step of the
+two GPU recipes goes, nano-real's (tools/gpu_real.py) and the segment adapter's.
+
+    python3 tools/gpu_run.py --out DIR --only profile    # on the GPU machine
+    python3 tools/gpu_profile.py --rehearse               # here, tiny, on the CPU
+
+For each recipe, three rates in examples a second, over the same batches as `train`
+builds them (the train command's own parser reads the recipe's flags):
+
+- data: the DataLoader's workers building batches (the scenes drawn, their answers'
+  tokens, the pictures' bytes), with no model at all;
+- step: `training_step` on batches already on the device, again and again: the kernels
+  and the host-side Python that launches them, with no data to wait for;
+- loop: both together, as `train` runs them.
+
+The slower of data and step bounds the loop. `torch.profiler` over a few steps then
+splits a step: the device's time by kernel (the heaviest ones), and how much of the
+step's wall time the device was busy at all. The part writes `profile.json`.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+from gpu_real import PACKED, REAL_RUN, unpack  # noqa: E402
+
+# the recipes as the GPU parts run them (tools/gpu_real.py, tools/gpu_run.py)
+SEGMENT_RUN = ["--model", "nano", "--batch-size", "64", "--worlds", "segments=1",
+               "--train-size", "5000000", "--lora", "--lora-targets", "all",
+               "--lora-r", "16", "--lora-alpha", "32", "--lr", "2e-3"]  # fmt: skip
+TOP_KERNELS = 8
+
+
+def recipes() -> dict:
+    return {"real": REAL_RUN, "segment": SEGMENT_RUN}
+
+
+def parsed(flags: list, steps: int, batch_size: int | None) -> argparse.Namespace:
+    "The train command's arguments for `flags` (its own parser)"
+    from paligemma_lib.cli.train import add_train_parser
+
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="command"))
+    flags = list(flags)
+    if batch_size is not None:
+        flags[flags.index("--batch-size") + 1] = str(batch_size)
+    out = tempfile.mkdtemp()
+    return parser.parse_args(["train", *flags, "--out", out, "--steps", str(steps)])
+
+
+def pieces(args: argparse.Namespace, device):
+    "(model on device, StepBatches, optimiser, scheduler, scaler) as `train` has them"
+    from dataclasses import fields
+
+    from paligemma_lib.batching import StepBatches
+    from paligemma_lib.cli.lora_options import lora_settings
+    from paligemma_lib.cli.options import import_data, parse_worlds
+    from paligemma_lib.data import Collator
+    from paligemma_lib.optimization import make_optimizer, make_scheduler
+    from paligemma_lib.train import TrainConfig, grad_scaler
+    from paligemma_lib.training_run import TrainingRun, training_model
+
+    data = import_data()
+    worlds = parse_worlds(args.worlds)
+    settings = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    settings["warmup_steps"] = settings["warmup_steps"] or 0
+    config = TrainConfig(**settings)
+    train_set = data.SyntheticDataset(
+        worlds=worlds, split="train", size=args.train_size
+    )
+    run = TrainingRun(out=Path(args.out), config=config, train_set=train_set,
+                      model=args.model, lora=lora_settings(args),
+                      lora_tokens=args.lora_tokens, device=device)  # fmt: skip
+    processor, model = training_model(run)
+    model.to(device)
+    batches = StepBatches(train_set, Collator(processor, pixels="uint8"), config)
+    optimizer = make_optimizer(model, config.lr, config.weight_decay)
+    scheduler = make_scheduler(
+        optimizer, config.warmup_steps, config.steps, config.min_lr_ratio
+    )
+    return model, batches, optimizer, scheduler, grad_scaler(device)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+PREFETCH = 4  # batches each worker builds ahead (paligemma_lib.batching)
+
+
+def data_rate(batches, workers: int, steps: int, warm: int) -> float:
+    """Examples a second the workers build: timed once the batches they built
+    ahead while starting are used up, so that the rate is theirs"""
+    from paligemma_lib.batching import step_batches
+
+    upcoming = step_batches(batches, 0, workers)
+    steps = max(steps, 4 * workers)
+    for _ in range(warm + (PREFETCH + 1) * workers):
+        next(upcoming)
+    start = time.perf_counter()
+    for _ in range(steps):
+        next(upcoming)
+    return steps * batches.config.batch_size / (time.perf_counter() - start)
+
+
+def step_rate(parts, device, steps: int, warm: int) -> tuple[float, list]:
+    "Examples a second of training_step on resident batches; the batches used"
+    from paligemma_lib.train import training_step
+
+    model, batches, optimizer, scheduler, scaler = parts
+    resident = [[b.to(device) for b in batches[i]] for i in range(2)]
+    for i in range(warm):
+        training_step(model, resident[i % 2], optimizer, scheduler, 1.0, device,
+                      scaler=scaler)  # fmt: skip
+    sync(device)
+    start = time.perf_counter()
+    for i in range(steps):
+        training_step(model, resident[i % 2], optimizer, scheduler, 1.0, device,
+                      scaler=scaler)  # fmt: skip
+    sync(device)
+    size = batches.config.batch_size
+    return steps * size / (time.perf_counter() - start), resident
+
+
+def loop_rate(parts, device, workers: int, steps: int, warm: int) -> float:
+    "Examples a second of data and steps together, as `train` runs them"
+    from paligemma_lib.batching import step_batches
+    from paligemma_lib.train import training_step
+
+    model, batches, optimizer, scheduler, scaler = parts
+    upcoming = step_batches(batches, 0, workers)
+    for i in range(warm + steps):
+        if i == warm:
+            sync(device)
+            start = time.perf_counter()
+        training_step(model, next(upcoming), optimizer, scheduler, 1.0, device,
+                      scaler=scaler)  # fmt: skip
+    sync(device)
+    return steps * batches.config.batch_size / (time.perf_counter() - start)
+
+
+def kernels(parts, resident, device, steps: int) -> dict:
+    """torch.profiler over `steps` steps on resident batches: the wall time a
+    step, the device's busy time a step, and the heaviest kernels"""
+    from torch.profiler import ProfilerActivity, profile
+
+    from paligemma_lib.train import training_step
+
+    model, _, optimizer, scheduler, scaler = parts
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            training_step(model, resident[i % 2], optimizer, scheduler, 1.0,
+                          device, scaler=scaler)  # fmt: skip
+        sync(device)
+    wall = (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    on_device = device.type == "cuda"
+
+    def own(e):  # microseconds of the event itself, on the device or host
+        return e.self_device_time_total if on_device else e.self_cpu_time_total
+
+    ranked = sorted((e for e in events if own(e) > 0), key=own, reverse=True)
+    launches = sum(e.count for e in events if e.key.startswith("cudaLaunch"))
+    busy = sum(own(e) for e in ranked) / steps / 1e6
+    return {
+        "wall ms a step (profiled)": round(wall * 1e3, 2),
+        "device busy ms a step": round(busy * 1e3, 2) if on_device else None,
+        "device busy share": round(busy / wall, 3) if on_device else None,
+        "kernel launches a step": launches // steps if on_device else None,
+        "heaviest": [
+            {
+                "name": e.key[:80],
+                "ms a step": round(own(e) / steps / 1e3, 3),
+                "calls a step": e.count // steps,
+            }
+            for e in ranked[:TOP_KERNELS]
+        ],  # fmt: skip
+    }
+
+
+def profile_recipe(flags, device, workers: int, steps: int, warm: int, batch=None):
+    "The three rates and the profile of one recipe"
+    args = parsed(flags, 10**6, batch)  # steps: the schedule's length only
+    parts = pieces(args, device)
+    size = parts[1].config.batch_size
+    data = data_rate(parts[1], workers, steps, warm)
+    step, resident = step_rate(parts, device, steps, warm)
+    loop = loop_rate(parts, device, workers, steps, warm)
+    result = {
+        "batch size": size, "workers": workers, "steps timed": steps,
+        "data examples/s": round(data, 1), "step examples/s": round(step, 1),
+        "loop examples/s": round(loop, 1),
+        "bound by": "data" if data < step else "step",
+    }  # fmt: skip
+    return result | kernels(parts, resident, device, max(2, steps // 4))
+
+
+def profile(run, budget: float) -> dict:
+    "The part: both recipes, their rates and profiles, into profile.json"
+    import os
+
+    device = torch.device("cpu" if run.rehearse else "cuda")
+    workers = 1 if run.rehearse else max(1, (os.cpu_count() or 2) - 1)
+    steps, warm = (2, 1) if run.rehearse else (20, 5)
+    batch = 2 if run.rehearse else None
+    begin, result = time.time(), {}
+    if PACKED.is_dir():  # on the GPU machine, the real pictures carried there
+        os.environ.update(unpack(PACKED, Path(tempfile.mkdtemp()) / "data"))
+    for name, flags in recipes().items():
+        if time.time() - begin > budget / 2:  # one recipe's time is left
+            result[name] = {"error": "no time left in the part's budget"}
+            continue
+        result[name] = profile_recipe(flags, device, workers, steps, warm, batch)
+        run.say(f"profile {name}: {json.dumps(result[name])[:400]}")
+        (run.out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rehearse", action="store_true", help="tiny, on the CPU")
+    parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp()))
+    args = parser.parse_args()
+
+    class Say:  # the part's view of tools/gpu_run.py's Run
+        rehearse, out = args.rehearse, args.out
+
+        @staticmethod
+        def say(*words):
+            print(*words, flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(profile(Say, 300), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
