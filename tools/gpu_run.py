@@ -28,9 +28,13 @@ to DIR as soon as it has results, so that a run cut short returns what it did:
    frozen weights in float32 (what `pick_device` gives a T4) and in float16.
 3. segment: the `segment` adapter's recipe at a GPU's scale beside the same adapter
    with the <seg> rows trained (chapter 12.1's comparison), side by side for the same
-   minutes; the choice on validation scenes; the chosen adapter comes back as one
-   file, graded on fresh test scenes by --ingest.
+   minutes; the choice on validation scenes 0-63; the chosen adapter comes back as
+   one file, for --ingest to decide on (tools/gpu_ingest.py).
 4. speed: benchmarks/gpu.py --short at PaliGemma-3B's shapes (random bf16 weights).
+
+Two parts run only when asked for (--only): `real`, nano-real's training (a call of
+its own, tools/gpu_real.py), and `profile`, where a training step of both recipes goes
+(tools/gpu_profile.py). A whole call, the wheels' install included, ends within CALL.
 
 DIR receives at most 8 files: `FILES`. --ingest DIR (on this machine) puts them where
 they belong: benchmarks/results/, the speed page (A.2), chapter 12's bars for its GPU
