@@ -284,15 +284,16 @@ def page_handlers(model, processor, adapter: str | None, segment=None, examples=
 
     def on_upload(file, chosen):
         """A new image: the previous answer goes (it was about another image),
-        the adapter is the task's; a file that is not a readable image leaves
-        its message for Run too"""
+        the adapter is the task's, no example stays picked; a file that is not a
+        readable image leaves its message for Run too"""
         if file is None:
-            return None, None, "", *cleared(), on_task(chosen), ""
+            return None, None, "", *cleared(), on_task(chosen), "", None
         try:
             image = open_upload(file)
-            return image, image, "", *cleared(), on_task(chosen), ""
+            return image, image, "", *cleared(), on_task(chosen), "", None
         except (ValueError, OSError) as e:
-            return None, None, message(str(e)), *cleared(), on_task(chosen), str(e)
+            status, adapter_now = message(str(e)), on_task(chosen)
+            return None, None, status, *cleared(), adapter_now, str(e), None
 
     def on_example(name):
         if not name:  # the page's 7 outputs, all but the image left as they are
@@ -391,7 +392,7 @@ def connect(source, controls, shown, looked, states, on):
         on.on_upload,
         [source.upload, controls.task],
         [image_state, source.preview, status, *run_outputs, controls.use_adapter]
-        + [unread_state],
+        + [unread_state, source.example],
         **serial,
     )
     example_outputs = [image_state, source.preview, status, controls.task]

@@ -306,12 +306,13 @@ def test_every_event_returns_one_value_per_output(reference, tmp_path):
     notes.write_text("not an image")
     upload = handlers["on_upload"]
     values = upload.fn(str(notes), "caption")
-    assert len(values) == len(upload.outputs) == 12
+    assert len(values) == len(upload.outputs) == 13
     image, preview, status, answer_text, stats = values[:5]
     assert image is None and "is not an image" in status
     assert answer_text == "" and stats == "" and values[8] is None  # maps: gone
     assert values[10] == "none" and "is not an image" in values[11]  # for Run
-    assert len(upload.fn(None, "receipt")) == 12
+    assert values[12] is None  # no example stays picked
+    assert len(upload.fn(None, "receipt")) == 13
     assert upload.fn(None, "receipt")[10] == "receipts"  # the task's adapter
     # an answer stopped at the page's Max tokens before <eos> says so
     scene = example_image("shapes")
@@ -374,6 +375,28 @@ def test_a_corrupt_upload_is_named_and_run_says_what_happened(page, server, tmp_
         assert "pick an example first" not in message.inner_text()
     finally:
         fresh.close()
+
+
+def test_an_upload_clears_the_chosen_example(page, server):
+    "Issue 51: after an upload the example picked before stayed selected"
+    from playwright.sync_api import expect
+
+    picture = ROOT / "book" / "figures" / "nano_scene.png"
+    tab = page.context.browser.new_page()
+    block_outside(tab, (server,))
+    try:
+        tab.goto(server)
+        chosen = tab.locator("#examples input:checked")
+        tab.locator("#examples").get_by_label("shapes", exact=True).check()
+        expect(chosen).to_have_count(1)
+        preview = tab.locator("#preview img")
+        expect(preview).to_be_visible(timeout=ANSWER_MS)
+        before = preview.get_attribute("src")
+        tab.locator("#upload input[type=file]").set_input_files(str(picture))
+        expect(preview).not_to_have_attribute("src", before, timeout=ANSWER_MS)
+        expect(chosen).to_have_count(0)
+    finally:
+        tab.close()
 
 
 def test_a_busy_port_is_named_before_anything_loads(capsys):
