@@ -69,6 +69,10 @@ THEME = gr.themes.Default(
     font=["ui-sans-serif", "system-ui", "sans-serif"],
     font_mono=["ui-monospace", "monospace"],
 )
+# The answer's box as tall as its answer at any width: Gradio sizes it when the
+# answer arrives, not when the window narrows after (a phone turned upright), so
+# a detect answer that wraps to two lines at 390 px showed one
+CSS = "#answer textarea { field-sizing: content; height: auto !important; }"
 
 
 def message(text: str) -> str:
@@ -168,7 +172,8 @@ def attention_panel(layers: int) -> SimpleNamespace:
             label="Layer (heads averaged)",
             elem_id="layer",
         )
-        attention = picture("Which image patches the token looked at", "heatmap")
+        # short enough to fit beside the image's buttons at 390 px (a phone)
+        attention = picture("Patches the token looked at", "heatmap")
     return SimpleNamespace(token=token, layer=layer, attention=attention)
 
 
@@ -486,6 +491,7 @@ def launch(
         prevent_thread_lock=prevent_thread_lock,
         ssr_mode=False,
         theme=THEME,
+        css=CSS,
         footer_links=[],
         quiet=True,
     )

@@ -377,6 +377,59 @@ def test_a_corrupt_upload_is_named_and_run_says_what_happened(page, server, tmp_
         fresh.close()
 
 
+PHONE = {"width": 390, "height": 844}  # a phone upright
+# What the page cuts off at its width: an answer taller than its box, or an
+# image's label running past its block or under the image's buttons (fullscreen,
+# download, share: laid over the label's row, at the right)
+CUT_OFF = """() => {
+  const cut = [];
+  const box = document.querySelector("#answer textarea");
+  if (box.offsetHeight < box.scrollHeight) {
+    cut.push(`answer: ${box.offsetHeight} px of its ${box.scrollHeight}`);
+  }
+  for (const block of document.querySelectorAll("#preview, #boxes, #heatmap")) {
+    const label = block.querySelector("label[data-testid=block-label]");
+    if (!label || !label.offsetParent) continue;  // hidden
+    const l = label.getBoundingClientRect(), b = block.getBoundingClientRect();
+    if (l.right > b.right || label.scrollWidth > label.clientWidth) {
+      cut.push(`${block.id}: label past its block`);
+    }
+    for (const button of block.querySelectorAll("button.icon-button")) {
+      const r = button.getBoundingClientRect();
+      if (r.width && r.left < l.right && l.left < r.right && r.top < l.bottom
+          && l.top < r.bottom) {
+        cut.push(`${block.id}: label "${label.innerText}" under a button`);
+      }
+    }
+  }
+  return cut;
+}"""
+
+
+def test_a_phone_shows_the_answer_and_the_heat_map_label_whole(page, server, reference):
+    """Issue 51: at 390 px a two-line detect answer showed one line, and the heat
+    map's label read "...the token looke" under the image's buttons. A detect answer
+    (one line at 1280 px, two or more at 390) asked at 1280 px, the window then
+    narrowed (a phone turned upright): both show whole, at both widths"""
+    _, want = expected(reference, "shapes to detect", "detect", "circle")
+    tab = page.context.browser.new_page(viewport={"width": 1280, "height": 1000})
+    block_outside(tab, (server,))
+    try:
+        tab.goto(server)
+        ask(tab, example="shapes to detect", task="detect", text="circle")
+        wait_for_answer(tab, want)
+        box = tab.locator("#answer textarea")
+        wide = box.evaluate("e => e.scrollHeight")
+        assert tab.evaluate(CUT_OFF) == []
+        tab.set_viewport_size(PHONE)
+        assert box.evaluate("e => e.scrollHeight") > wide  # the answer wraps
+        assert tab.evaluate(CUT_OFF) == []
+        tab.locator("#heatmap").scroll_into_view_if_needed()  # laid out to the end
+        screenshot(tab, "phone_detect")
+    finally:
+        tab.close()
+
+
 def test_an_upload_clears_the_chosen_example(page, server):
     "Issue 51: after an upload the example picked before stayed selected"
     from playwright.sync_api import expect
