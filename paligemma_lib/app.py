@@ -31,6 +31,7 @@ from .demo import (
     EXAMPLES,
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
+    TASK_PROMPTS,
     adapter_disabled,
     answer_attention,
     example_image,
@@ -38,6 +39,7 @@ from .demo import (
     heatmap,
     open_upload,
     run_task,
+    tasks_for,
 )
 from .lora import lora_modules
 from .model_files import resolve_model_path
@@ -102,12 +104,16 @@ def image_panel(examples: dict) -> SimpleNamespace:
     return SimpleNamespace(upload=upload, example=example, preview=preview)
 
 
-def task_panel(adapter: str | None, segment: bool = False) -> SimpleNamespace:
-    "The task, its text, the adapter switch, the generation settings and Run"
+def task_panel(
+    adapter: str | None, segment: bool, tasks, first_adapter: str
+) -> SimpleNamespace:
+    """The task (of `tasks`, the first chosen), its text, the adapter switch (on
+    `first_adapter`, the first task's), the generation settings and Run"""
     names = [NO_ADAPTER, *([adapter] if adapter else [])]
     names += [SEGMENT_ADAPTER] if segment and adapter != SEGMENT_ADAPTER else []
+    choices = [(label, value) for label, value in TASK_CHOICES if value in tasks]
     with gr.Column():
-        task = gr.Radio(TASK_CHOICES, value="caption", label="Task", elem_id="task")
+        task = gr.Radio(choices, value=tasks[0], label="Task", elem_id="task")
         text = gr.Textbox(
             label="Question, or the object to detect or segment",
             placeholder="what color is the square?",
@@ -115,7 +121,7 @@ def task_panel(adapter: str | None, segment: bool = False) -> SimpleNamespace:
         )
         use_adapter = gr.Radio(
             names,
-            value=NO_ADAPTER,  # the adapter of the first task, caption (on_task)
+            value=first_adapter,
             label="LoRA adapter",
             visible=len(names) > 1,
             elem_id="adapter",
@@ -429,13 +435,18 @@ def build_app(
     adapter: str | None = None,
     segment: dict | None = None,
     examples: dict = EXAMPLES,
+    tasks=tuple(TASK_PROMPTS),
 ) -> gr.Blocks:
     """The page. `model` may carry one LoRA adapter, named `adapter`; the page
     lets the user switch it (it follows the task: on for the receipt task, off
     for the others, the first task, caption, included).
     `segment`: the layers of a segment adapter (detached_adapter), on by default
     for the segment task. `examples`: the bundled examples offered (EXAMPLES, or
-    examples_for the served model, with chapter 12.2's real pictures)"""
+    examples_for the served model, with chapter 12.2's real pictures), those of
+    the tasks offered. `tasks`: the tasks offered (tasks_for the served model:
+    those it learnt), in TASK_PROMPTS' order"""
+    examples = {name: e for name, e in examples.items() if e[2] in tasks}
+    on = page_handlers(model, processor, adapter, segment, examples)
     with gr.Blocks(title="PaliGemma from scratch", analytics_enabled=False) as app:
         image_state = gr.State(None)  # the PIL image asked about
         maps_state = gr.State(None)  # [T, L, side, side]: attention, heads averaged
@@ -448,7 +459,7 @@ def build_app(
         )
         with gr.Row():
             source = image_panel(examples)
-            controls = task_panel(adapter, segment=bool(segment))
+            controls = task_panel(adapter, bool(segment), tasks, on.on_task(tasks[0]))
         with gr.Row():
             shown = answer_panel()
             looked = attention_panel(model.config.text.num_hidden_layers)
@@ -459,7 +470,7 @@ def build_app(
             shown,
             looked,
             (image_state, maps_state, unread_state),
-            page_handlers(model, processor, adapter, segment, examples),
+            on,
         )
     return app
 
@@ -520,8 +531,13 @@ def serve(
     if segment_path is not None:
         print(f"segment task: adapter {Path(segment_path).name}")
     print(f"open http://{host}:{port} (Ctrl-C stops)")
-    # the receipt example only where an adapter (the receipt task's) is served
-    examples = examples_for(resolve_model_path(model_path), receipts=bool(name))
-    app = build_app(model, processor, adapter=name, segment=segment, examples=examples)
+    # only the tasks the model learnt, and those of the adapters served (each
+    # without a training record taken to teach the task the page uses it for)
+    folder = resolve_model_path(model_path)
+    roles = {adapter_path: "receipt", segment_path: "segment"}
+    tasks = tasks_for(folder, {f: task for f, task in roles.items() if f})
+    # the receipt example only where the receipt task is offered
+    examples = examples_for(folder, receipts="receipt" in tasks)
+    app = build_app(model, processor, name, segment, examples, tasks)
     launch(app, host=host, port=port)
     return 0

@@ -632,3 +632,51 @@ def test_nano_real_reads_the_real_examples(real_page):
         ask(real_page, example=name)  # with its own task
         wait_for_answer(real_page, want)
         screenshot(real_page, f"real_{world}")
+
+
+def test_nano_real_offers_only_the_tasks_it_learnt(real_page):
+    """Issue 51: `demo --model nano-real` offered "receipt to JSON", which it never
+    learnt (it answers with no JSON). Its page offers the tasks of the worlds its
+    training record names; nano's, with the shipped adapters, all six"""
+    from playwright.sync_api import expect
+
+    expect(real_page.locator("#task label")).to_have_text(
+        ["caption", "question", "detect", "OCR"]
+    )
+    expect(real_page.locator("#task").get_by_label("caption")).to_be_checked()
+
+
+def test_the_tasks_offered_are_those_learnt(reference, tmp_path):
+    """tasks_for reads the training records of the model and of each adapter served;
+    the page offers those tasks, and only the examples of those tasks"""
+    import gradio as gr
+
+    from paligemma_lib.app import TASK_CHOICES, build_app
+    from paligemma_lib.demo import PALIGEMMA_TASKS, TASK_PROMPTS, tasks_for
+    from paligemma_lib.model_files import resolve_model_path
+
+    nano, nano_real = resolve_model_path("nano"), resolve_model_path("nano-real")
+    learnt = ["caption", "question", "detect", "ocr"]
+    assert tasks_for(nano) == tasks_for(nano_real) == learnt
+    adapters = {shipped_adapter("receipts"): "receipt"}
+    assert tasks_for(nano, adapters) == [*learnt, "receipt"]
+    adapters[shipped_adapter("segment")] = "segment"
+    assert tasks_for(nano, adapters) == list(TASK_PROMPTS)
+    # no record (PaliGemma's checkpoints): PaliGemma's tasks; an adapter without one
+    # teaches the task the page uses it for
+    assert tasks_for(tmp_path) == list(PALIGEMMA_TASKS)
+    assert "receipt" not in PALIGEMMA_TASKS
+    assert tasks_for(tmp_path, {tmp_path: "receipt"}) == list(TASK_PROMPTS)
+    (tmp_path / "training_record.json").write_text('{"worlds": {"ocr": 1.0}}')
+    assert tasks_for(tmp_path) == ["ocr"]
+
+    model, processor = reference
+    app = build_app(model, processor, adapter="receipts", tasks=["ocr", "receipt"])
+    radios = {b.elem_id: b for b in app.blocks.values() if isinstance(b, gr.Radio)}
+    labels = {value: label for label, value in TASK_CHOICES}
+    assert radios["task"].choices == [(labels[t], t) for t in ("ocr", "receipt")]
+    assert radios["task"].value == "ocr" and radios["adapter"].value == "none"
+    assert [name for name, _ in radios["examples"].choices] == ["text line", "receipt"]
+    first = build_app(model, processor, adapter="receipts", tasks=["receipt"])
+    radios = {b.elem_id: b for b in first.blocks.values() if isinstance(b, gr.Radio)}
+    assert radios["adapter"].value == "receipts"  # the first task's adapter
