@@ -104,6 +104,14 @@ def image_panel(examples: dict) -> SimpleNamespace:
     return SimpleNamespace(upload=upload, example=example, preview=preview)
 
 
+def text_label(tasks) -> str:
+    "The text box's label: what the tasks offered take as text"
+    objects = " or ".join(task for task in ("detect", "segment") if task in tasks)
+    wanted = ["question"] if "question" in tasks else []
+    wanted += [f"the object to {objects}"] if objects else []
+    return ", or ".join(wanted).capitalize() or "Text (no task offered takes any)"
+
+
 def task_panel(
     adapter: str | None, segment: bool, tasks, first_adapter: str
 ) -> SimpleNamespace:
@@ -115,7 +123,7 @@ def task_panel(
     with gr.Column():
         task = gr.Radio(choices, value=tasks[0], label="Task", elem_id="task")
         text = gr.Textbox(
-            label="Question, or the object to detect or segment",
+            label=text_label(tasks),
             placeholder="what color is the square?",
             elem_id="text",
         )

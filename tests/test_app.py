@@ -643,6 +643,8 @@ def test_nano_real_offers_only_the_tasks_it_learnt(real_page):
     expect(real_page.locator("#task label")).to_have_text(
         ["caption", "question", "detect", "OCR"]
     )
+    label = "Question, or the object to detect"  # not to segment
+    expect(real_page.locator("#text label")).to_contain_text(label)
 
 
 def test_the_tasks_offered_are_those_learnt(reference, tmp_path):
@@ -650,7 +652,7 @@ def test_the_tasks_offered_are_those_learnt(reference, tmp_path):
     the page offers those tasks, and only the examples of those tasks"""
     import gradio as gr
 
-    from paligemma_lib.app import TASK_CHOICES, build_app
+    from paligemma_lib.app import TASK_CHOICES, build_app, text_label
     from paligemma_lib.demo import PALIGEMMA_TASKS, TASK_PROMPTS, tasks_for
     from paligemma_lib.model_files import resolve_model_path
 
@@ -675,6 +677,9 @@ def test_the_tasks_offered_are_those_learnt(reference, tmp_path):
     labels = {value: label for label, value in TASK_CHOICES}
     assert radios["task"].choices == [(labels[t], t) for t in ("ocr", "receipt")]
     assert radios["task"].value == "ocr" and radios["adapter"].value == "none"
+    [text] = [b for b in app.blocks.values() if b.elem_id == "text"]
+    assert text.label == "Text (no task offered takes any)"
+    assert text_label(TASK_PROMPTS) == "Question, or the object to detect or segment"
     assert [name for name, _ in radios["examples"].choices] == ["text line", "receipt"]
     first = build_app(model, processor, adapter="receipts", tasks=["receipt"])
     radios = {b.elem_id: b for b in first.blocks.values() if isinstance(b, gr.Radio)}
