@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from . import real_images  # noqa: F401 (its worlds join TASKS)
 from .boxes import parse_loc_tokens
 from .data import TASKS, make_example
 from .gemma import apply_rotary_pos_emb, repeat_kv, soft_cap
@@ -482,6 +481,10 @@ PALIGEMMA_TASKS = ("caption", "question", "detect", "ocr", "segment")
 def tasks_learnt(folder) -> set[str] | None:
     """The page's tasks a model or adapter folder learnt: those of the worlds
     its training record names; None if it has no record"""
+    # 12.2's worlds join TASKS; imported here, not with the module: the order
+    # worlds join is the order SyntheticDataset mixes them in (12.1's first)
+    from paligemma_lib import real_images  # noqa: F401
+
     record = Path(folder) / "training_record.json"
     if not record.is_file():
         return None
