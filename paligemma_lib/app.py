@@ -31,6 +31,7 @@ from .demo import (
     EXAMPLES,
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
+    TASK_PROMPTS,
     adapter_disabled,
     answer_attention,
     example_image,
@@ -38,6 +39,7 @@ from .demo import (
     heatmap,
     open_upload,
     run_task,
+    tasks_for,
 )
 from .lora import lora_modules
 from .model_files import resolve_model_path
@@ -69,6 +71,10 @@ THEME = gr.themes.Default(
     font=["ui-sans-serif", "system-ui", "sans-serif"],
     font_mono=["ui-monospace", "monospace"],
 )
+# The answer's box as tall as its answer at any width: Gradio sizes it when the
+# answer arrives, not when the window narrows after (a phone turned upright), so
+# a detect answer that wraps to two lines at 390 px showed one
+CSS = "#answer textarea { field-sizing: content; height: auto !important; }"
 
 
 def message(text: str) -> str:
@@ -98,20 +104,32 @@ def image_panel(examples: dict) -> SimpleNamespace:
     return SimpleNamespace(upload=upload, example=example, preview=preview)
 
 
-def task_panel(adapter: str | None, segment: bool = False) -> SimpleNamespace:
-    "The task, its text, the adapter switch, the generation settings and Run"
+def text_label(tasks) -> str:
+    "The text box's label: what the tasks offered take as text"
+    objects = " or ".join(task for task in ("detect", "segment") if task in tasks)
+    wanted = ["question"] if "question" in tasks else []
+    wanted += [f"the object to {objects}"] if objects else []
+    return ", or ".join(wanted).capitalize() or "Text (no task offered takes any)"
+
+
+def task_panel(
+    adapter: str | None, segment: bool, tasks, first_adapter: str
+) -> SimpleNamespace:
+    """The task (of `tasks`, the first chosen), its text, the adapter switch (on
+    `first_adapter`, the first task's), the generation settings and Run"""
     names = [NO_ADAPTER, *([adapter] if adapter else [])]
     names += [SEGMENT_ADAPTER] if segment and adapter != SEGMENT_ADAPTER else []
+    choices = [(label, value) for label, value in TASK_CHOICES if value in tasks]
     with gr.Column():
-        task = gr.Radio(TASK_CHOICES, value="caption", label="Task", elem_id="task")
+        task = gr.Radio(choices, value=tasks[0], label="Task", elem_id="task")
         text = gr.Textbox(
-            label="Question, or the object to detect or segment",
+            label=text_label(tasks),
             placeholder="what color is the square?",
             elem_id="text",
         )
         use_adapter = gr.Radio(
             names,
-            value=NO_ADAPTER,  # the adapter of the first task, caption (on_task)
+            value=first_adapter,
             label="LoRA adapter",
             visible=len(names) > 1,
             elem_id="adapter",
@@ -168,7 +186,8 @@ def attention_panel(layers: int) -> SimpleNamespace:
             label="Layer (heads averaged)",
             elem_id="layer",
         )
-        attention = picture("Which image patches the token looked at", "heatmap")
+        # short enough to fit beside the image's buttons at 390 px (a phone)
+        attention = picture("Patches the token looked at", "heatmap")
     return SimpleNamespace(token=token, layer=layer, attention=attention)
 
 
@@ -284,15 +303,16 @@ def page_handlers(model, processor, adapter: str | None, segment=None, examples=
 
     def on_upload(file, chosen):
         """A new image: the previous answer goes (it was about another image),
-        the adapter is the task's; a file that is not a readable image leaves
-        its message for Run too"""
+        the adapter is the task's, no example stays picked; a file that is not a
+        readable image leaves its message for Run too"""
         if file is None:
-            return None, None, "", *cleared(), on_task(chosen), ""
+            return None, None, "", *cleared(), on_task(chosen), "", None
         try:
             image = open_upload(file)
-            return image, image, "", *cleared(), on_task(chosen), ""
+            return image, image, "", *cleared(), on_task(chosen), "", None
         except (ValueError, OSError) as e:
-            return None, None, message(str(e)), *cleared(), on_task(chosen), str(e)
+            status, adapter_now = message(str(e)), on_task(chosen)
+            return None, None, status, *cleared(), adapter_now, str(e), None
 
     def on_example(name):
         if not name:  # the page's 7 outputs, all but the image left as they are
@@ -391,7 +411,7 @@ def connect(source, controls, shown, looked, states, on):
         on.on_upload,
         [source.upload, controls.task],
         [image_state, source.preview, status, *run_outputs, controls.use_adapter]
-        + [unread_state],
+        + [unread_state, source.example],
         **serial,
     )
     example_outputs = [image_state, source.preview, status, controls.task]
@@ -423,13 +443,18 @@ def build_app(
     adapter: str | None = None,
     segment: dict | None = None,
     examples: dict = EXAMPLES,
+    tasks=tuple(TASK_PROMPTS),
 ) -> gr.Blocks:
     """The page. `model` may carry one LoRA adapter, named `adapter`; the page
     lets the user switch it (it follows the task: on for the receipt task, off
     for the others, the first task, caption, included).
     `segment`: the layers of a segment adapter (detached_adapter), on by default
     for the segment task. `examples`: the bundled examples offered (EXAMPLES, or
-    examples_for the served model, with chapter 12.2's real pictures)"""
+    examples_for the served model, with chapter 12.2's real pictures), those of
+    the tasks offered. `tasks`: the tasks offered (tasks_for the served model:
+    those it learnt), in TASK_PROMPTS' order"""
+    examples = {name: e for name, e in examples.items() if e[2] in tasks}
+    on = page_handlers(model, processor, adapter, segment, examples)
     with gr.Blocks(title="PaliGemma from scratch", analytics_enabled=False) as app:
         image_state = gr.State(None)  # the PIL image asked about
         maps_state = gr.State(None)  # [T, L, side, side]: attention, heads averaged
@@ -442,7 +467,7 @@ def build_app(
         )
         with gr.Row():
             source = image_panel(examples)
-            controls = task_panel(adapter, segment=bool(segment))
+            controls = task_panel(adapter, bool(segment), tasks, on.on_task(tasks[0]))
         with gr.Row():
             shown = answer_panel()
             looked = attention_panel(model.config.text.num_hidden_layers)
@@ -453,7 +478,7 @@ def build_app(
             shown,
             looked,
             (image_state, maps_state, unread_state),
-            page_handlers(model, processor, adapter, segment, examples),
+            on,
         )
     return app
 
@@ -485,6 +510,7 @@ def launch(
         prevent_thread_lock=prevent_thread_lock,
         ssr_mode=False,
         theme=THEME,
+        css=CSS,
         footer_links=[],
         quiet=True,
     )
@@ -513,8 +539,13 @@ def serve(
     if segment_path is not None:
         print(f"segment task: adapter {Path(segment_path).name}")
     print(f"open http://{host}:{port} (Ctrl-C stops)")
-    # the receipt example only where an adapter (the receipt task's) is served
-    examples = examples_for(resolve_model_path(model_path), receipts=bool(name))
-    app = build_app(model, processor, adapter=name, segment=segment, examples=examples)
+    # only the tasks the model learnt, and those of the adapters served (each
+    # without a training record taken to teach the task the page uses it for)
+    folder = resolve_model_path(model_path)
+    roles = {adapter_path: "receipt", segment_path: "segment"}
+    tasks = tasks_for(folder, {f: task for f, task in roles.items() if f})
+    # the receipt example only where the receipt task is offered
+    examples = examples_for(folder, receipts="receipt" in tasks)
+    app = build_app(model, processor, name, segment, examples, tasks)
     launch(app, host=host, port=port)
     return 0

@@ -2,12 +2,12 @@
 
 # %% auto #0
 __all__ = ['TASK_PROMPTS', 'MAX_IMAGE_BYTES', 'MAX_IMAGE_PIXELS', 'EXAMPLES',
-           'REAL_EXAMPLES', 'task_prompt', 'check_image_pixels',
-           'open_upload', 'TaskAnswer', 'check_length', 'parse_receipt',
-           'run_task', 'attention_inputs', 'attention_probs', 'answer_batch',
-           'answer_attention', 'heatmap', 'adapter_disabled',
+           'REAL_EXAMPLES', 'PAGE_TASKS', 'PALIGEMMA_TASKS', 'task_prompt',
+           'check_image_pixels', 'open_upload', 'TaskAnswer', 'check_length',
+           'parse_receipt', 'run_task', 'attention_inputs', 'attention_probs',
+           'answer_batch', 'answer_attention', 'heatmap', 'adapter_disabled',
            'shipped_adapter', 'real_example_path', 'example_image',
-           'examples_for']
+           'examples_for', 'tasks_learnt', 'tasks_for']
 
 # %% ../book/13_demo.ipynb #c005
 import json
@@ -21,11 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from .boxes import parse_loc_tokens
-from .data import make_example
+from .data import TASKS, make_example
 from .gemma import apply_rotary_pos_emb, repeat_kv, soft_cap
 from .generation import generate
 from .image_processing import load_image
 from .lora import lora_modules
+from .model_files import read_json
 from .paligemma import make_prefix_lm_mask
 from .segmentation import parse_segments
 from PIL import Image, UnidentifiedImageError
@@ -460,3 +461,44 @@ def examples_for(model_folder, receipts: bool = True) -> dict:
     real = {world for world, _, _, _ in REAL_EXAMPLES.values()}
     offered = {k: v for k, v in EXAMPLES.items() if receipts or k != "receipt"}
     return offered | (REAL_EXAMPLES if real & seen else {})
+
+# %% ../book/13_demo.ipynb #d321
+# chapter 11's tasks (data.TASKS, 12.1's and 12.2's worlds too) -> the page's
+PAGE_TASKS = {
+    "caption": "caption",
+    "count": "question",
+    "colour": "question",
+    "detect": "detect",
+    "ocr": "ocr",
+    "extract": "receipt",
+    "segment": "segment",
+}
+# what a model without a training record is offered (PaliGemma's checkpoints
+# have none, and learnt these); the receipt is this book's task (chapter 12)
+PALIGEMMA_TASKS = ("caption", "question", "detect", "ocr", "segment")
+
+
+def tasks_learnt(folder) -> set[str] | None:
+    """The page's tasks a model or adapter folder learnt: those of the worlds
+    its training record names; None if it has no record"""
+    # 12.2's worlds join TASKS; imported here, not with the module: the order
+    # worlds join is the order SyntheticDataset mixes them in (12.1's first)
+    from paligemma_lib import real_images  # noqa: F401
+
+    record = Path(folder) / "training_record.json"
+    if not record.is_file():
+        return None
+    worlds = read_json(record).get("worlds", {})
+    return {PAGE_TASKS[t] for w in worlds for t in TASKS.get(w, ())}
+
+# %% ../book/13_demo.ipynb #d322
+def tasks_for(model_folder, adapters: dict | None = None) -> list[str]:
+    """The tasks the page offers a model, in TASK_PROMPTS' order: those it
+    learnt (PaliGemma's own if its record is missing or names no world known
+    here), and those each adapter served learnt. `adapters`: folder -> the
+    task the page uses it for, which an adapter without a record teaches"""
+    offered = tasks_learnt(model_folder) or set(PALIGEMMA_TASKS)
+    for folder, task in (adapters or {}).items():
+        learnt = tasks_learnt(folder)
+        offered |= {task} if learnt is None else learnt
+    return [task for task in TASK_PROMPTS if task in offered]

@@ -306,12 +306,13 @@ def test_every_event_returns_one_value_per_output(reference, tmp_path):
     notes.write_text("not an image")
     upload = handlers["on_upload"]
     values = upload.fn(str(notes), "caption")
-    assert len(values) == len(upload.outputs) == 12
+    assert len(values) == len(upload.outputs) == 13
     image, preview, status, answer_text, stats = values[:5]
     assert image is None and "is not an image" in status
     assert answer_text == "" and stats == "" and values[8] is None  # maps: gone
     assert values[10] == "none" and "is not an image" in values[11]  # for Run
-    assert len(upload.fn(None, "receipt")) == 12
+    assert values[12] is None  # no example stays picked
+    assert len(upload.fn(None, "receipt")) == 13
     assert upload.fn(None, "receipt")[10] == "receipts"  # the task's adapter
     # an answer stopped at the page's Max tokens before <eos> says so
     scene = example_image("shapes")
@@ -374,6 +375,81 @@ def test_a_corrupt_upload_is_named_and_run_says_what_happened(page, server, tmp_
         assert "pick an example first" not in message.inner_text()
     finally:
         fresh.close()
+
+
+PHONE = {"width": 390, "height": 844}  # a phone upright
+# What the page cuts off at its width: an answer taller than its box, or an
+# image's label running past its block or under the image's buttons (fullscreen,
+# download, share: laid over the label's row, at the right)
+CUT_OFF = """() => {
+  const cut = [];
+  const box = document.querySelector("#answer textarea");
+  if (box.offsetHeight < box.scrollHeight) {
+    cut.push(`answer: ${box.offsetHeight} px of its ${box.scrollHeight}`);
+  }
+  for (const block of document.querySelectorAll("#preview, #boxes, #heatmap")) {
+    const label = block.querySelector("label[data-testid=block-label]");
+    if (!label || !label.offsetParent) continue;  // hidden
+    const l = label.getBoundingClientRect(), b = block.getBoundingClientRect();
+    if (l.right > b.right || label.scrollWidth > label.clientWidth) {
+      cut.push(`${block.id}: label past its block`);
+    }
+    for (const button of block.querySelectorAll("button.icon-button")) {
+      const r = button.getBoundingClientRect();
+      if (r.width && r.left < l.right && l.left < r.right && r.top < l.bottom
+          && l.top < r.bottom) {
+        cut.push(`${block.id}: label "${label.innerText}" under a button`);
+      }
+    }
+  }
+  return cut;
+}"""
+
+
+def test_a_phone_shows_the_answer_and_the_heat_map_label_whole(page, server, reference):
+    """Issue 51: at 390 px a two-line detect answer showed one line, and the heat
+    map's label read "...the token looke" under the image's buttons. A detect answer
+    (one line at 1280 px, two or more at 390) asked at 1280 px, the window then
+    narrowed (a phone turned upright): both show whole, at both widths"""
+    _, want = expected(reference, "shapes to detect", "detect", "circle")
+    tab = page.context.browser.new_page(viewport={"width": 1280, "height": 1000})
+    block_outside(tab, (server,))
+    try:
+        tab.goto(server)
+        ask(tab, example="shapes to detect", task="detect", text="circle")
+        wait_for_answer(tab, want)
+        box = tab.locator("#answer textarea")
+        wide = box.evaluate("e => e.scrollHeight")
+        assert tab.evaluate(CUT_OFF) == []
+        tab.set_viewport_size(PHONE)
+        assert box.evaluate("e => e.scrollHeight") > wide  # the answer wraps
+        assert tab.evaluate(CUT_OFF) == []
+        tab.locator("#heatmap").scroll_into_view_if_needed()  # laid out to the end
+        screenshot(tab, "phone_detect")
+    finally:
+        tab.close()
+
+
+def test_an_upload_clears_the_chosen_example(page, server):
+    "Issue 51: after an upload the example picked before stayed selected"
+    from playwright.sync_api import expect
+
+    picture = ROOT / "book" / "figures" / "nano_scene.png"
+    tab = page.context.browser.new_page()
+    block_outside(tab, (server,))
+    try:
+        tab.goto(server)
+        chosen = tab.locator("#examples input:checked")
+        tab.locator("#examples").get_by_label("shapes", exact=True).check()
+        expect(chosen).to_have_count(1)
+        preview = tab.locator("#preview img")
+        expect(preview).to_be_visible(timeout=ANSWER_MS)
+        before = preview.get_attribute("src")
+        tab.locator("#upload input[type=file]").set_input_files(str(picture))
+        expect(preview).not_to_have_attribute("src", before, timeout=ANSWER_MS)
+        expect(chosen).to_have_count(0)
+    finally:
+        tab.close()
 
 
 def test_a_busy_port_is_named_before_anything_loads(capsys):
@@ -556,3 +632,55 @@ def test_nano_real_reads_the_real_examples(real_page):
         ask(real_page, example=name)  # with its own task
         wait_for_answer(real_page, want)
         screenshot(real_page, f"real_{world}")
+
+
+def test_nano_real_offers_only_the_tasks_it_learnt(real_page):
+    """Issue 51: `demo --model nano-real` offered "receipt to JSON", which it never
+    learnt (it answers with no JSON). Its page offers the tasks of the worlds its
+    training record names; nano's, with the shipped adapters, all six"""
+    from playwright.sync_api import expect
+
+    expect(real_page.locator("#task label")).to_have_text(
+        ["caption", "question", "detect", "OCR"]
+    )
+    label = "Question, or the object to detect"  # not to segment
+    expect(real_page.locator("#text label")).to_contain_text(label)
+
+
+def test_the_tasks_offered_are_those_learnt(reference, tmp_path):
+    """tasks_for reads the training records of the model and of each adapter served;
+    the page offers those tasks, and only the examples of those tasks"""
+    import gradio as gr
+
+    from paligemma_lib.app import TASK_CHOICES, build_app, text_label
+    from paligemma_lib.demo import PALIGEMMA_TASKS, TASK_PROMPTS, tasks_for
+    from paligemma_lib.model_files import resolve_model_path
+
+    nano, nano_real = resolve_model_path("nano"), resolve_model_path("nano-real")
+    learnt = ["caption", "question", "detect", "ocr"]
+    assert tasks_for(nano) == tasks_for(nano_real) == learnt
+    adapters = {shipped_adapter("receipts"): "receipt"}
+    assert tasks_for(nano, adapters) == [*learnt, "receipt"]
+    adapters[shipped_adapter("segment")] = "segment"
+    assert tasks_for(nano, adapters) == list(TASK_PROMPTS)
+    # no record (PaliGemma's checkpoints): PaliGemma's tasks; an adapter without one
+    # teaches the task the page uses it for
+    assert tasks_for(tmp_path) == list(PALIGEMMA_TASKS)
+    assert "receipt" not in PALIGEMMA_TASKS
+    assert tasks_for(tmp_path, {tmp_path: "receipt"}) == list(TASK_PROMPTS)
+    (tmp_path / "training_record.json").write_text('{"worlds": {"ocr": 1.0}}')
+    assert tasks_for(tmp_path) == ["ocr"]
+
+    model, processor = reference
+    app = build_app(model, processor, adapter="receipts", tasks=["ocr", "receipt"])
+    radios = {b.elem_id: b for b in app.blocks.values() if isinstance(b, gr.Radio)}
+    labels = {value: label for label, value in TASK_CHOICES}
+    assert radios["task"].choices == [(labels[t], t) for t in ("ocr", "receipt")]
+    assert radios["task"].value == "ocr" and radios["adapter"].value == "none"
+    [text] = [b for b in app.blocks.values() if b.elem_id == "text"]
+    assert text.label == "Text (no task offered takes any)"
+    assert text_label(TASK_PROMPTS) == "Question, or the object to detect or segment"
+    assert [name for name, _ in radios["examples"].choices] == ["text line", "receipt"]
+    first = build_app(model, processor, adapter="receipts", tasks=["receipt"])
+    radios = {b.elem_id: b for b in first.blocks.values() if isinstance(b, gr.Radio)}
+    assert radios["adapter"].value == "receipts"  # the first task's adapter
