@@ -65,6 +65,7 @@ MODULES = {
     "mask_vae_training": "",
     "segment_eval": "",
     "real_images": "",
+    "resolution": "",
     "demo": "The demo's functions: prompts, answers, boxes, receipts, masks, "
     "attention maps and the checks of their inputs.",
     "app": "",
