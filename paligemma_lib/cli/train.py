@@ -58,7 +58,10 @@ def add_train_parser(commands) -> None:
         "LoRA's own weights stay float32). Default: float32",
     )
     tr.add_argument(
-        "--out", required=True, help="output folder: the model, checkpoints, record"
+        "--out",
+        required=True,
+        help="output folder: the model, checkpoints, record (not among the "
+        "package's shipped files, which the commands only read)",
     )
     from ..train import TrainConfig
 
