@@ -253,13 +253,12 @@ def shipped_adapter_path(name: str) -> Path:
 
 
 def resolve_adapter_path(name_or_path) -> Path:
-    """An adapter folder from a path or a shipped adapter's name ("receipts");
-    an existing local folder of that name wins"""
+    """An adapter folder from a shipped adapter's name ("receipts") or a path:
+    a string that is a shipped name means the shipped adapter, even where a
+    local folder has that name (give "./receipts" for that one)"""
+    if isinstance(name_or_path, str) and name_or_path in SHIPPED_ADAPTERS:
+        return shipped_adapter_path(name_or_path)
     path = Path(name_or_path)
-    if path.is_dir():
-        return path
-    if str(name_or_path) in SHIPPED_ADAPTERS:
-        return shipped_adapter_path(str(name_or_path))
     if not path.exists():
         raise FileNotFoundError(
             f"no adapter folder at {path}, and {str(name_or_path)!r} is not "
@@ -276,21 +275,12 @@ def check_adapter(name_or_path) -> tuple[Path, LoraConfig]:
     two files checked (the weights by their header only); errors name the
     file and say what to do"""
     folder = resolve_adapter_path(name_or_path)
-    name = str(name_or_path)
     for file in (folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS):
-        if file.is_file():
-            continue
-        hint = (
-            "give the folder that save_adapter, `train --lora` or PEFT's "
-            "save_pretrained wrote"
-        )
-        if name in SHIPPED_ADAPTERS and folder == Path(name):
-            hint = (
-                f"a folder {name} here was found before the shipped adapter "
-                f"{name}; rename it, or give the shipped one by its path, "
-                f"{shipped_adapter_path(name)}"
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{folder} holds no {file.name}: give the folder that "
+                "save_adapter, `train --lora` or PEFT's save_pretrained wrote"
             )
-        raise FileNotFoundError(f"{folder} holds no {file.name}: {hint}")
     config_file = folder / ADAPTER_CONFIG
     config = read_json(config_file)  # not JSON: an error naming the file
     missing = [key for key in PEFT_KEYS if key not in config]

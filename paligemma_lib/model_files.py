@@ -28,15 +28,14 @@ def shipped_model_path(name: str) -> Path:
 
 
 def resolve_model_path(name_or_path) -> Path:
-    """A checkpoint folder from a path or a shipped model's name ("nano"). An
-    existing local folder of that name wins; then a shipped name; then an
-    existing path (a file gives its own error later); anything else is a
+    """A checkpoint folder from a shipped model's name ("nano") or a path. A
+    string that is a shipped name means the shipped model, even where a local
+    folder has that name (give "./nano" for that one); otherwise an existing
+    path (a file gives its own error later); anything else is a
     FileNotFoundError naming the shipped models"""
+    if isinstance(name_or_path, str) and name_or_path in SHIPPED:
+        return shipped_model_path(name_or_path)
     path = Path(name_or_path)
-    if path.is_dir():
-        return path
-    if str(name_or_path) in SHIPPED:
-        return shipped_model_path(str(name_or_path))
     if path.exists():
         return path
     raise FileNotFoundError(

@@ -2,12 +2,13 @@
 
 # %% auto #0
 __all__ = ['KEY_MAP', 'EMBEDDING', 'LM_HEAD', 'SINGLE_FILE', 'INDEX_FILE', 'DTYPES',
-           'POOLING_HEAD', 'QUANTIZE', 'CheckpointError',
-           'read_safetensors_header', 'our_name', 'read_checkpoint_json',
-           'checkpoint_files', 'stored_tensors', 'check_tensors',
-           'resolve_dtype', 'resolve_device', 'skip_pooling_head',
-           'check_tied_head', 'read_tensors', 'load_pretrained',
-           'write_safetensors', 'save_pretrained', 'find_real_checkpoint']
+           'POOLING_HEAD', 'QUANTIZE', 'KINDS', 'TOKEN_IDS',
+           'CheckpointError', 'read_safetensors_header', 'our_name',
+           'read_checkpoint_json', 'checkpoint_files', 'stored_tensors',
+           'check_tensors', 'resolve_dtype', 'resolve_device',
+           'skip_pooling_head', 'check_tied_head', 'read_tensors',
+           'check_config_values', 'load_pretrained', 'write_safetensors',
+           'save_pretrained', 'find_real_checkpoint']
 
 # %% ../book/09_loading_real_weights.ipynb #c003
 import json
@@ -16,18 +17,22 @@ import re
 import secrets
 import shutil
 import warnings
+from dataclasses import fields
 from pathlib import Path
 
 import torch
-from .config import PaliGemmaConfig
+from paligemma_lib.config import (
+    Gemma2TextConfig,
+    PaliGemmaConfig,
+    TextConfig,
+    VisionConfig,
+)
 from .devices import has_native_bf16, pick_device
 from paligemma_lib.model_files import (
-    SHIPPED,
     cached_snapshots,
     hub_cache,
     read_json,
     resolve_model_path,
-    shipped_model_path,
 )
 from .paligemma import PaliGemmaForConditionalGeneration
 from safetensors import safe_open
@@ -144,23 +149,15 @@ def _weight_map(index: Path) -> dict:
     return weight_map
 
 
-def _check_folder(folder: Path, name: str):
+def _check_folder(folder: Path):
     if not folder.is_dir():
         raise NotADirectoryError(
             f"{folder} is a file; pass the checkpoint folder "
             f"(config.json, model.safetensors)"
         )
     if not (folder / "config.json").is_file():
-        shadows = name in SHIPPED and folder == Path(name)
         raise CheckpointError(
             f"{folder} is not a PaliGemma checkpoint: it has no config.json"
-            + (
-                f"; a folder {name} here was found before the shipped model "
-                f"{name}: rename it, or give the shipped one by its path, "
-                f"{shipped_model_path(name)}"
-                if shadows
-                else ""
-            )
         )
 
 
@@ -181,10 +178,9 @@ def _refuse_pickles(folder: Path):
 def checkpoint_files(folder) -> list[Path]:
     """The safetensors files of a folder (or of a shipped model's name,
     "nano"): model.safetensors, or its index's shards"""
-    name = str(folder)
     # a missing folder: an error naming "nano"
     folder = resolve_model_path(folder)
-    _check_folder(folder, name)
+    _check_folder(folder)
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
     if single.is_file() and index.is_file():
         raise CheckpointError(
@@ -433,6 +429,7 @@ QUANTIZE = (None, "int8")  # load_pretrained's choices
 def _read_config(path) -> tuple[dict, PaliGemmaConfig]:
     hf_config = read_checkpoint_json(Path(path) / "config.json")
     try:
+        check_config_values(hf_config)
         return hf_config, PaliGemmaConfig.from_hf(hf_config)
     except (ValueError, TypeError, AttributeError) as e:
         raise CheckpointError(
@@ -440,15 +437,46 @@ def _read_config(path) -> tuple[dict, PaliGemmaConfig]:
             f"this library builds: {e}"
         ) from None
 
+# %% ../book/09_loading_real_weights.ipynb #c51cfg1c
+KINDS = {int: "an integer", float: "a number", str: "a string"}
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")  # may be lists
+
+
+def _check_types(section, cls, where: str):
+    "Each field of dataclass `cls` given in `section` has that field's type"
+    if not isinstance(section, dict):
+        raise ValueError(f"{where} must be a JSON object, not {section!r}")
+    for f in fields(cls):
+        value = section.get(f.name)
+        if value is None or f.type not in KINDS or f.name in TOKEN_IDS:
+            continue
+        kinds = (int, float) if f.type is float else f.type
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise ValueError(
+                f"{f.name}={value!r} {where} must be {KINDS[f.type]}"
+            )
+
+
+def check_config_values(d: dict):
+    "The types of a config.json's fields, each wrong one named"
+    text, vision = d.get("text_config") or {}, d.get("vision_config") or {}
+    _check_types(text, Gemma2TextConfig, "in text_config")
+    _check_types(vision, VisionConfig, "in vision_config")
+    _check_types(d, PaliGemmaConfig, "at the top level")
+    # the Hub's files repeat these at the top level (transformers' defaults)
+    repeated = {k: d.get(k) for k in ("hidden_size", "vocab_size")}
+    _check_types(repeated, TextConfig, "at the top level")
+
 # %% ../book/09_loading_real_weights.ipynb #b883af88
 def load_pretrained(
     path, dtype=None, device=None, progress: bool | None = None, quantize=None
 ) -> PaliGemmaForConditionalGeneration:
     """A PaliGemma checkpoint folder (config.json + safetensors, any key
-    spelling of KEY_MAP), or a shipped model's name ("nano"; a local folder of
-    that name wins) -> our model, in eval mode. dtype: None (as stored; bf16
-    becomes fp32 on a GPU without native bf16), a torch.dtype or
-    'bf16'/'fp16'/'fp32'; device: None (cpu), 'auto' or a device name;
+    spelling of KEY_MAP), or a shipped model's name ("nano", even where a
+    local folder has that name: "./nano" is the folder) -> our model, in eval
+    mode. dtype: None (as stored; bf16 becomes fp32 on a GPU without native
+    bf16), a torch.dtype or 'bf16'/'fp16'/'fp32'; device: None (cpu), 'auto'
+    or a device name;
     quantize: None, or "int8" for the decoder's Linear weights in int8 (chapter
     8.1)"""
     if quantize not in QUANTIZE:

@@ -441,6 +441,33 @@ def test_a_config_json_that_is_no_json_object(
         load_pretrained(model)
 
 
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        ({"hidden_size": "big"}, "hidden_size='big' at the top level must be an "),
+        ({"text_config": {"num_hidden_layers": 2.5}}, "num_hidden_layers=2.5 in "),
+        ({"vision_config": {"layer_norm_eps": "1e-6"}}, "layer_norm_eps='1e-6' in "),
+        ({"vision_config": [1]}, "vision_config must be a JSON object"),
+    ],
+)
+def test_a_config_json_field_of_the_wrong_type_is_named(
+    checkpoint, tmp_path, capsys, config, words
+):
+    "Issue 51 §11: the field named, before any tensor is compared with the sizes"
+    model = model_copy(checkpoint, tmp_path)
+    saved = json.loads((model / "config.json").read_text())
+    for key, value in config.items():
+        if isinstance(value, dict):
+            saved[key].update(value)
+        else:
+            saved[key] = value
+    (model / "config.json").write_text(json.dumps(saved))
+    line = one_error_line(run_main(capsys, checkpoint, model=model), words)
+    assert "no tensor" not in line
+    with pytest.raises(ValueError, match=re.escape(words)):
+        load_pretrained(model)
+
+
 def sharded(checkpoint, tmp_path) -> Path:
     "The checkpoint as an index and one shard, as the Hub's larger models are laid out"
     model = model_copy(checkpoint, tmp_path)
@@ -669,18 +696,22 @@ def test_evaluate_and_generate_default_to_nano():
     assert "Default: nano" in " ".join(help_text.split())
 
 
-def test_a_local_folder_named_nano_wins(checkpoint, tmp_path, capsys, monkeypatch):
-    from paligemma_lib.model_files import resolve_model_path
+def test_a_folder_named_nano_is_dot_nano(checkpoint, tmp_path, capsys, monkeypatch):
+    """The name nano means the shipped model even where a folder here has that name
+    (issue 51 §5); the folder is ./nano"""
+    from paligemma_lib.model_files import resolve_model_path, shipped_model_path
 
     expected = run_main(capsys, checkpoint)  # the test checkpoint, given by its path
     monkeypatch.chdir(tmp_path)
     shutil.copytree(checkpoint / "model", tmp_path / "nano")
-    assert resolve_model_path("nano") == Path("nano")
-    assert PaliGemmaProcessor.from_pretrained("nano").image_size == 28  # not 224
-    run = run_default(capsys, checkpoint)
+    assert resolve_model_path("nano") == shipped_model_path("nano")
+    assert resolve_model_path("./nano") == resolve_model_path(Path("nano"))
+    assert PaliGemmaProcessor.from_pretrained("./nano").image_size == 28
+    assert PaliGemmaProcessor.from_pretrained("nano").image_size == 224
+    assert run_main(capsys, checkpoint, model="./nano") == expected
+    run = run_default(capsys, checkpoint, "--max-new-tokens", "3")
     assert run.returncode == 0, run.stderr
-    assert run == expected
-    assert run_main(capsys, checkpoint, model="nano") == expected
+    assert run.stderr.startswith("note: --model nano is the shipped model, not the ")
 
 
 def test_an_unknown_model_name_lists_the_shipped_ones(checkpoint, tmp_path, capsys):

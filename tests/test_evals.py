@@ -205,5 +205,5 @@ def test_readme_segment_picture_is_a_graded_test_scene():
     assert np.array_equal(np.asarray(picture), np.asarray(scene.image))
     assert scene.prompt == "segment circle"
     readme = " ".join((ROOT / "README.md").read_text().split())
-    assert '--prompt "segment circle" --adapter segment --draw masks.png' in readme
+    assert '--prompt "segment circle" --adapter segment --draw /tmp/masks.png' in readme
     assert (ROOT / "book/figures/segment_masks.png").is_file()

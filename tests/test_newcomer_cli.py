@@ -1,7 +1,10 @@
-"""Issue 39, the command line as a newcomer meets it: nothing shipped is written, a
-task the model was not taught is refused, and every refusal names its file."""
+"""Issues 39 and 51, the command line as a newcomer meets it: nothing shipped is
+written, a task the model was not taught is refused or noted, and every refusal names
+its file."""
 
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import NamedTuple
@@ -206,20 +209,28 @@ def test_evaluate_says_when_answers_were_cut(run, scripted):
     ]
 
 
-# 11. an empty folder named like a shipped model or adapter
+# 11. an empty folder named like a shipped model or adapter: the shipped one is
+# used (issue 51 §5), and a note says the folder is ./NAME
 
 
 def test_an_empty_folder_named_like_a_shipped_one(run, scripted, tmp_path, monkeypatch):
+    image = ["--image", ROOT / "book" / "figures" / "nano_scene.png", "--prompt",
+             "caption en"]  # fmt: skip
+    expected = run("generate", *image)
     monkeypatch.chdir(tmp_path)
     Path("nano").mkdir()
-    result = run("generate", "--image", scripted["image"], "--prompt", "caption en")
-    one_error_line(result, "a folder nano here was found before the shipped model",
-                   str(shipped_model_path("nano")))  # fmt: skip
+    result = run("generate", *image)
+    assert result.code == 0 and result.out == expected.out, result
+    assert notes(result) == [
+        "note: --model nano is the shipped model, not the folder nano here; give "
+        "--model ./nano for that folder"
+    ]
+    result = run("generate", "--model", "./nano", *image)
+    one_error_line(result, "nano is not a PaliGemma checkpoint: it has no config.json")
     Path("receipts").mkdir()
-    result = run("generate", "--model", scripted["model"], "--adapter", "receipts",
-                 "--image", scripted["image"], "--prompt", "caption en")  # fmt: skip
-    one_error_line(result, "a folder receipts here was found before the shipped "
-                   "adapter", str(shipped_adapter_path("receipts")))  # fmt: skip
+    result = run("generate", "--model", scripted["model"], "--adapter", "./receipts",
+                 *image)  # fmt: skip
+    one_error_line(result, "receipts holds no adapter_config.json")
 
 
 # 12. evaluate's progress bar, as train's: on unless --no-progress
@@ -258,3 +269,245 @@ def test_docs_and_help_agree_with_the_commands(run, tmp_path):
     # goes on to the model (which does not exist here)
     result = run("demo", "--adapter", "receipts", "--model", tmp_path / "none")
     one_error_line(result, "no checkpoint folder at")
+
+
+# Issue 51: what the commands write, which folder a name means, and the notes on
+# prompts, pictures and adapters the model was not trained for
+
+NANO_SCENE = ROOT / "book" / "figures" / "nano_scene.png"
+
+
+def notes(result: Run) -> list:
+    return [line for line in result.err.splitlines() if line.startswith("note:")]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "--model", "nano", "--out", "{assets}/nano"],
+        ["train", "--model", "nano", "--lora", "--out", "{assets}/receipts"],
+        ["train", "--config", "tiny", "--out", "{link}/new-run"],  # a link into it
+        ["generate", "--prompt", "detect circle", "--draw", "{assets}/{picture}"],
+    ],
+)
+def test_nothing_is_written_among_the_shipped_files(run, tmp_path, command):
+    """§1, §2: --out and --draw refuse every path among the package's assets, also
+    through a symbolic link, before anything is read or written"""
+    from paligemma_lib.cli.options import ASSETS
+
+    (tmp_path / "link").symlink_to(ASSETS)
+    before = {f: f.read_bytes() for f in ASSETS.rglob("*") if f.is_file()}
+    picture = "real/example-clothing.png"
+    args = [
+        str(a).format(assets=ASSETS, link=tmp_path / "link", picture=picture)
+        for a in command
+    ]
+    if command[0] == "generate":
+        args += ["--image", NANO_SCENE]
+    if command[0] == "train":
+        args += ["--steps", "1", "--batch-size", "2", "--eval-size", "1",
+                 "--no-progress"]  # fmt: skip
+    try:
+        result = run(*args)
+        after = {f for f in ASSETS.rglob("*") if f.is_file()}
+    finally:  # what a command wrote into the package, put back
+        for file, data in before.items():
+            if file.read_bytes() != data:
+                file.write_bytes(data)
+        for file in {f for f in ASSETS.rglob("*") if f.is_file()} - set(before):
+            file.unlink()
+        shutil.rmtree(ASSETS / "nano" / "checkpoints", ignore_errors=True)
+        shutil.rmtree(ASSETS / "receipts" / "checkpoints", ignore_errors=True)
+        shutil.rmtree(ASSETS / "new-run", ignore_errors=True)
+    flag = "--out" if command[0] == "train" else "--draw"
+    one_error_line(result, flag, "inside the files shipped with the package")
+    assert after == set(before)
+
+
+def tiny_train(run, out, *extra) -> Run:
+    sizes = ["--steps", "1", "--batch-size", "2", "--eval-size", "1"]
+    return run("train", "--config", "tiny", "--out", out, *sizes, "--no-progress",
+               *extra)  # fmt: skip
+
+
+def test_an_out_that_holds_a_run_needs_resume_or_overwrite(run, tmp_path):
+    """§3: a second run into a run's folder is refused, naming --resume and
+    --overwrite; --overwrite starts over, removing that run's files only"""
+    out = tmp_path / "run"
+    assert tiny_train(run, out).code == 0
+    shutil.rmtree(out / "checkpoints")  # the model and its record kept, as shipped
+    config = (out / "config.json").read_bytes()
+    one_error_line(tiny_train(run, out), f"--out {out} holds the training_record.json",
+                   "add --resume", "--overwrite to start over")  # fmt: skip
+    assert (out / "config.json").read_bytes() == config
+    one_error_line(tiny_train(run, out, "--resume", "--overwrite"), "give one")
+    (out / "checkpoints" / "step-0000099").mkdir(parents=True)  # an older run's
+    (out / "notes.txt").write_text("mine")
+    result = tiny_train(run, out, "--overwrite")
+    assert result.code == 0, result
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000001"]
+    assert (out / "notes.txt").read_text() == "mine"
+    record = json.loads((out / "training_record.json").read_text())
+    assert record["command"].endswith("--overwrite")
+    from paligemma_lib.cli.main import build_parser
+
+    train = build_parser("train")._subparsers._group_actions[0].choices["train"]
+    help_text = " ".join(train.format_help().split())
+    assert "--overwrite start over in an --out that holds a run" in help_text
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_an_out_that_cannot_be_written_is_refused_before_training(
+    run, tmp_path, monkeypatch, where
+):
+    "§4: the folder is written to before the first step, not after the last"
+    import paligemma_lib.training_run
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(paligemma_lib.training_run, "run_training", no_training)
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "run" if where == "under-a-file" else Path("/proc/run")
+    if where == "proc" and not Path("/proc/self").exists():
+        pytest.skip("no /proc here")
+    one_error_line(tiny_train(run, out), f"--out {out} cannot be written",
+                   "give a folder you can write to")  # fmt: skip
+
+
+def adapter_copy(folder: Path, record: dict | None) -> Path:
+    "The shipped receipts adapter's files in `folder`, with `record` as its record"
+    shutil.copytree(shipped_adapter_path("receipts"), folder)
+    (folder / "training_record.json").unlink()
+    if record is not None:
+        (folder / "training_record.json").write_text(json.dumps(record))
+    return folder
+
+
+def test_a_folder_named_nano_here_is_not_the_default_model(run, tmp_path, monkeypatch):
+    """§5: after `train --model nano --lora --out nano`, the commands run there still
+    use the shipped nano (one note says so); the folder is ./nano, and what is said
+    of it is true of its files"""
+    scene = ["--image", NANO_SCENE, "--prompt", "caption en"]
+    expected = run("generate", *scene)
+    monkeypatch.chdir(tmp_path)
+    adapter_copy(Path("nano"), {"fine-tuned from": "nano", "worlds": {"shapes": 1}})
+    result = run("generate", *scene)
+    assert (result.code, result.out) == (0, expected.out), result
+    assert notes(result) == [
+        "note: --model nano is the shipped model, not the folder nano here; give "
+        "--model ./nano for that folder"
+    ]
+    line = one_error_line(run("generate", "--model", "./nano", *scene))
+    assert line == (
+        "error: --model ./nano is a LoRA adapter, not a model: give it as --adapter "
+        "./nano, with --model nano, the model it was trained on (its "
+        "training_record.json ('fine-tuned from') names it)"
+    )
+    adapter_copy(Path("peft-made"), None)  # base_model_name_or_path: null
+    line = one_error_line(run("generate", "--model", "peft-made", *scene))
+    assert "(its files do not name it)" in line and "names it" not in line
+    result = run("generate", "--adapter", "./nano", *scene)  # nano's adapter
+    assert result.code == 0 and notes(result)[0].startswith("note: --model nano is")
+
+
+@pytest.mark.parametrize("command", ["generate", "evaluate"])
+def test_an_adapter_on_another_model_is_refused(run, tmp_path, command):
+    """§6: an adapter whose record names its model is refused on another; a copy
+    of that model (the same weights) is accepted"""
+    args = ["--image", NANO_SCENE, "--prompt", "extract json"]
+    if command == "evaluate":
+        args = ["--world", "receipts", "--limit", "1", "--max-new-tokens", "2"]
+    result = run(command, "--model", "nano-real", "--adapter", "receipts", *args)
+    one_error_line(result, "--adapter receipts was trained on the model nano",
+                   "training_record.json", "--model nano-real is another model",
+                   "give --model nano")  # fmt: skip
+    shutil.copytree(shipped_model_path("nano"), tmp_path / "my-nano")
+    quiet = ["--no-progress"] if command == "evaluate" else []
+    result = run(command, "--model", tmp_path / "my-nano", "--adapter", "receipts",
+                 *args, *quiet)  # fmt: skip
+    assert result.code == 0, result
+
+
+def test_adapter_none_is_no_adapter_for_generate_too(run, scripted):
+    "§7: `--adapter none` means no adapter, for generate as for demo"
+    args = ["generate", "--model", scripted["model"], "--image", scripted["image"],
+            "--prompt", "caption en", "--max-new-tokens", "3"]  # fmt: skip
+    without = run(*args)
+    assert without.code == 0, without
+    assert run(*args, "--adapter", "none") == without
+
+
+@pytest.mark.parametrize(
+    "prompt, known",
+    [
+        ("classify shapes", "'caption en', 'answer en how many shapes are there?'"),
+        ("detect dog", "'detect circle', 'detect square', 'detect triangle'"),
+    ],
+)
+def test_a_prompt_the_model_was_not_trained_on_gets_a_note(
+    run, tmp_path, prompt, known
+):
+    "§8: one line names the prompt and those of its kind the records list"
+    draw = ["--draw", tmp_path / "boxes.png"] if prompt.startswith("detect") else []
+    result = run("generate", "--image", NANO_SCENE, "--prompt", prompt, *draw)
+    assert result.code == 0, result
+    [note] = notes(result)
+    assert note.startswith(
+        f"note: nano was not trained on the prompt {prompt!r}, so the answer may "
+        "mean nothing; its training records' prompts include"
+    )
+    assert known in note
+    trained = run("generate", "--image", NANO_SCENE, "--prompt", "detect circle")
+    assert trained.code == 0 and notes(trained) == []
+
+
+def test_a_prompt_with_other_spaces_is_asked_as_trained(run):
+    "§8: the tokenizer reads spaces; the trained form is asked, and a note says so"
+    trained = run("generate", "--image", NANO_SCENE, "--prompt", "caption en")
+    result = run("generate", "--image", NANO_SCENE, "--prompt", "  caption  en ")
+    assert (result.code, result.out) == (0, trained.out), result
+    assert notes(result) == [
+        "note: asked 'caption en', the prompt nano was trained on, for '  caption  "
+        "en ' (its spaces differ, and the tokenizer reads every space)"
+    ]
+
+
+def test_a_prompt_that_is_not_utf8_is_refused(run, scripted):
+    "§9: bytes that are not UTF-8 (as Python passes them on: escaped) are refused"
+    prompt = os.fsdecode(b"caption en \xff\xfe")
+    result = run("generate", "--model", scripted["model"], "--image",
+                 scripted["image"], "--prompt", prompt)  # fmt: skip
+    one_error_line(result, "--prompt is not valid UTF-8 text (byte 0xff at "
+                   "character 11)")  # fmt: skip
+
+
+@pytest.mark.parametrize("alpha, noted", [(0, True), (255, False)])
+def test_a_fully_transparent_picture_gets_a_note(run, scripted, tmp_path, alpha, noted):
+    "§10: every pixel transparent: the model sees white, and a note says so"
+    picture = tmp_path / "picture.png"
+    Image.new("RGBA", (64, 64), (200, 30, 30, alpha)).save(picture)
+    result = run("generate", "--model", scripted["model"], "--image", picture,
+                 "--prompt", "caption en", "--max-new-tokens", "2")  # fmt: skip
+    assert result.code == 0, result
+    transparent = [n for n in notes(result) if "fully transparent" in n]
+    assert transparent == noted * [
+        f"note: every pixel of {picture} is fully transparent, so the model sees a "
+        "plain white picture"
+    ]
+
+
+def test_a_size_beyond_the_split_names_its_flag(run):
+    "§12: evaluate --limit (and train's sizes) beyond a split's seeds"
+    one_error_line(run("evaluate", "--world", "shapes", "--limit", "100000000"),
+                   "--limit 100000000: the test split has 10,000 seeds",
+                   "give --limit 10000 or less")  # fmt: skip
+
+
+def test_the_readme_draws_outside_the_repository():
+    "§18: the README's --draw writes where it is not taken for a project file"
+    readme = (ROOT / "README.md").read_text()
+    drawn = re.findall(r"--draw (\S+)", readme)
+    assert drawn, "the README shows --draw"
+    for path in drawn:
+        assert Path(path).is_absolute() and not Path(path).is_relative_to(ROOT), path

@@ -21,10 +21,12 @@ from .options import (
     add_model_arguments,
     add_quantize_argument,
     at_least,
+    check_adapter_base,
     check_device,
     check_model,
     check_quantize,
     check_segment_taught,
+    check_split_size,
     command_parser,
     import_data,
     shipped,
@@ -78,11 +80,13 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
     from ..generation import TruncatedAnswerWarning
 
     at_least(args, limit=1, batch_size=1, max_new_tokens=1)
+    check_split_size("--limit", args.limit, args.split)
     check_device(args.device)
     check_model(args.model)
     check_quantize(args)
     if args.adapter is not None:
         adapter_folder(args.adapter)
+        check_adapter_base(args.model, args.adapter)
     if args.record:
         record_path(args)  # before the slow part
     if args.world == "segments":
@@ -143,7 +147,7 @@ def record_path(args) -> Path:
         flag, name = "--adapter", args.adapter
         folder = resolve_adapter_path(name)
     record_file = folder / "training_record.json"
-    if shipped(folder):
+    if shipped(record_file):
         raise ValueError(
             f"--record: {flag} {name} is shipped with the package, and the commands "
             f"never change its files ({record_file}); copy the folder (cp -r "

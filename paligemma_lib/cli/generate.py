@@ -25,12 +25,17 @@ from .options import (
     adapter_folder,
     add_model_arguments,
     add_quantize_argument,
+    check_adapter_base,
     check_device,
     check_image_arg,
     check_model,
+    check_prompt_text,
     check_quantize,
     check_segment_taught,
     command_parser,
+    fully_transparent,
+    prompt_as_taught,
+    refuse_shipped,
     warning_note,
     with_adapter,
 )
@@ -126,6 +131,7 @@ def check_draw_path(args: argparse.Namespace) -> None:
             f"--draw {args.draw}: {out.suffix or 'no extension'} is not an image "
             "format Pillow writes; use a name ending in .png or .jpg"
         )
+    refuse_shipped(out, "--draw")
     if out.exists() and out.resolve() == Path(args.image).resolve():
         raise ValueError(
             f"--draw {args.draw} is the input image; choose another file name, "
@@ -144,6 +150,7 @@ def check_draw_path(args: argparse.Namespace) -> None:
 
 
 def generate_command(args: argparse.Namespace, argv=None) -> int:
+    check_prompt_text(args.prompt)
     if not args.prompt.strip():
         raise ValueError(
             '--prompt is empty: give a task prompt, e.g. "caption en", "ocr", '
@@ -174,8 +181,16 @@ def generate_command(args: argparse.Namespace, argv=None) -> int:
     check_quantize(args)
     if args.adapter is not None:
         adapter_folder(args.adapter)
+        check_adapter_base(args.model, args.adapter)
     if task == "segment":
         check_segment_taught(args)
+    prompt = prompt_as_taught(args)
+    if fully_transparent(args.image):
+        print(
+            f"note: every pixel of {args.image} is fully transparent, so the model "
+            "sees a plain white picture",
+            file=sys.stderr,
+        )
     processor = PaliGemmaProcessor.from_pretrained(args.model)
     device = resolve_device(args.device)
     model = load_pretrained(
@@ -193,7 +208,7 @@ def generate_command(args: argparse.Namespace, argv=None) -> int:
             model,
             processor,
             image,
-            args.prompt,
+            prompt,
             max_new_tokens=args.max_new_tokens,
             do_sample=args.do_sample,
             temperature=args.temperature,

@@ -21,9 +21,12 @@ from .options import (
     check_device,
     check_model,
     check_out_folder,
+    check_split_size,
+    check_writable,
     command_parser,
     import_data,
     parse_worlds,
+    start_over,
 )
 
 DEFAULT_WORLDS = "shapes=0.7,ocr=0.3"  # nano's mix (chapter 11)
@@ -55,7 +58,10 @@ def add_train_parser(commands) -> None:
         "LoRA's own weights stay float32). Default: float32",
     )
     tr.add_argument(
-        "--out", required=True, help="output folder: the model, checkpoints, record"
+        "--out",
+        required=True,
+        help="output folder: the model, checkpoints, record (not among the "
+        "package's shipped files, which the commands only read)",
     )
     from ..train import TrainConfig
 
@@ -94,6 +100,13 @@ def add_train_parser(commands) -> None:
         "--resume",
         action="store_true",
         help="continue from the newest checkpoint in --out (same flags as the run)",
+    )
+    tr.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an --out that holds a run: its model or adapter, record "
+        "and checkpoints are removed first (other files stay). Without --resume or "
+        "--overwrite, an --out that holds a run is refused",
     )
     tr.add_argument("--device", default="auto", help=DEVICE_HELP)
     tr.add_argument(
@@ -150,12 +163,21 @@ def train_command(args: argparse.Namespace, argv) -> int:
     if args.warmup_steps is None:
         settings["warmup_steps"] = args.steps // 20
     config = TrainConfig(**settings)
-    out = check_out_folder(Path(args.out), args.resume)
+    out = check_out_folder(Path(args.out), args.resume, args.overwrite)
     check_device(args.device)
     if args.model is not None:
         check_model(args.model)
+    if args.data is None:
+        check_split_size("--train-size", args.train_size, "train")
+        check_split_size("--eval-size", args.eval_size, "validation")
+    check_writable(out)  # before the first step, not after the last
     device = resolve_device(args.device)
     rank, world_size = init_distributed(device)
+    if args.overwrite:
+        if rank == 0:
+            start_over(out)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
     if config.fsdp and not torch.distributed.is_initialized():  # before the model
         raise ValueError(
             "--fsdp needs torchrun: torchrun --nproc_per_node N -m paligemma_lib "
