@@ -516,6 +516,16 @@ def launch(
     )
 
 
+def browser_address(host: str, port: int) -> str:
+    """The address a browser on this machine opens: a server on every interface
+    (0.0.0.0, ::) is reached at the loopback address, which the line says"""
+    if host in ("0.0.0.0", "::", ""):
+        return f"http://127.0.0.1:{port} (listening on every interface, port {port})"
+    if ":" in host:  # an IPv6 address goes in brackets
+        return f"http://[{host}]:{port}"
+    return f"http://{host}:{port}"
+
+
 def serve(
     model_path,
     adapter_path=None,
@@ -538,7 +548,7 @@ def serve(
     print(f"serving {model_path}" + (f" with adapter {name}" if name else ""))
     if segment_path is not None:
         print(f"segment task: adapter {Path(segment_path).name}")
-    print(f"open http://{host}:{port} (Ctrl-C stops)")
+    print(f"open {browser_address(host, port)} (Ctrl-C stops)")
     # only the tasks the model learnt, and those of the adapters served (each
     # without a training record taken to teach the task the page uses it for)
     folder = resolve_model_path(model_path)

@@ -684,3 +684,13 @@ def test_the_tasks_offered_are_those_learnt(reference, tmp_path):
     first = build_app(model, processor, adapter="receipts", tasks=["receipt"])
     radios = {b.elem_id: b for b in first.blocks.values() if isinstance(b, gr.Radio)}
     assert radios["adapter"].value == "receipts"  # the first task's adapter
+
+
+def test_the_address_printed_is_one_a_browser_opens():
+    "§13: a server on every interface is opened at the loopback address"
+    from paligemma_lib.app import browser_address
+
+    assert browser_address("0.0.0.0", 7912).startswith("http://127.0.0.1:7912 ")
+    assert "every interface" in browser_address("::", 80)
+    assert browser_address("127.0.0.1", 7860) == "http://127.0.0.1:7860"
+    assert browser_address("::1", 7860) == "http://[::1]:7860"

@@ -429,6 +429,15 @@ def test_an_adapter_on_another_model_is_refused(run, tmp_path, command):
     assert result.code == 0, result
 
 
+@pytest.mark.parametrize("flag", ["--adapter", "--segment-adapter"])
+def test_the_demo_refuses_an_adapter_of_another_model_before_serving(run, flag):
+    "§6 for the demo too: the same check, before Gradio is imported or a port bound"
+    adapter = "receipts" if flag == "--adapter" else "segment"
+    result = run("demo", "--model", "nano-real", flag, adapter, "--port", "7999")
+    one_error_line(result, f"{flag} {adapter} was trained on the model nano",
+                   "--model nano-real is another model")  # fmt: skip
+
+
 def test_adapter_none_is_no_adapter_for_generate_too(run, scripted):
     "§7: `--adapter none` means no adapter, for generate as for demo"
     args = ["generate", "--model", scripted["model"], "--image", scripted["image"],

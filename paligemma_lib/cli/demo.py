@@ -11,6 +11,7 @@ from .options import (
     DEVICE_HELP,
     adapter_folder,
     add_model_arguments,
+    check_adapter_base,
     check_device,
     check_model,
     command_parser,
@@ -67,6 +68,10 @@ def demo_command(args: argparse.Namespace, argv=None) -> int:
         shipped_adapter("segment") if nano else None,
     )
     check_model(args.model)
+    given = (("--adapter", args.adapter), ("--segment-adapter", args.segment_adapter))
+    for flag, value in given:  # trained on another model: refused, as generate does
+        if value not in (None, "none"):
+            check_adapter_base(args.model, value, flag)
     check_port(args.host, args.port)
     try:
         from ..app import serve
