@@ -1010,7 +1010,8 @@ def test_the_readme_picture_is_answered_right_on_every_prompt(capsys):
 
 
 def test_the_readme_segment_picture_says_the_base_model_never_saw_it(capsys):
-    """README's segment scene: its command (with the segment adapter) boxes both
+    """A.1's segment scene (the README links there): its command, with the segment
+    adapter, boxes both
     circles; the text beside it says the base model is outside that world"""
     from paligemma_lib import segmentation  # noqa: F401  (adds the segments world)
     from paligemma_lib.boxes import parse_loc_tokens
@@ -1027,8 +1028,8 @@ def test_the_readme_segment_picture_says_the_base_model_never_saw_it(capsys):
     for box in scene.boxes:
         assert max(box_iou(b, box) for b, _ in found) >= 0.5, (found, box)
     # beside the picture: the base model never saw this world
-    readme = (root / "README.md").read_text()
-    after = readme.split("(book/figures/segment_masks.png)")[1].split("\n\n")[1]
+    readme = (root / "book/a1_using_the_library.md").read_text()
+    after = readme.split("(figures/segment_masks.png)")[1].split("\n\n")[1]
     after = " ".join(after.split())
     assert "which the base `nano` never saw" in after
     assert "without `--adapter segment`" in after
@@ -1066,8 +1067,9 @@ def test_the_readme_first_command_and_what_nano_has_seen(capsys):
 
 
 def test_the_readme_number_is_read_right_by_nano_real(capsys):
-    """README's handwritten number: a test example of chapter 12.2's handwriting
-    world (book/figures/make_real_number.py), which nano-real reads as it says"""
+    """A.1's handwritten number (the README links there): a test example of chapter
+    12.2's handwriting world (book/figures/make_real_number.py), which nano-real
+    reads as it says"""
     from paligemma_lib.data import SyntheticDataset
     from paligemma_lib.real_images import mnist_5k  # noqa: F401  (adds the world)
 
@@ -1076,7 +1078,7 @@ def test_the_readme_number_is_read_right_by_nano_real(capsys):
     ex = SyntheticDataset("handwriting", "test", size=401).example(400)
     assert np.array_equal(np.asarray(load_image(picture)), np.asarray(ex.image))
     command = "--model nano-real --image book/figures/real_number.png --prompt ocr"
-    readme = " ".join((root / "README.md").read_text().split())
+    readme = " ".join((root / "book/a1_using_the_library.md").read_text().split())
     assert f"python -m paligemma_lib generate {command}" in readme
     assert f"It prints `{ex.answer}`" in readme
     assert main(["generate", *command.split()]) == 0

@@ -173,7 +173,7 @@ def test_segment_metrics_are_the_saved_grades_summary():
 
 def test_readme_segment_numbers_are_the_record():
     metrics = segment_evaluation()["metrics"]
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((ROOT / "book/a1_using_the_library.md").read_text().split())
     first, last = segment_evaluation()["indices"]
     better = max(metrics["filled box mIoU"], metrics["class mask mIoU"])
     assert f"mask mIoU of {metrics['mIoU']:.2f}" in readme
@@ -182,9 +182,9 @@ def test_readme_segment_numbers_are_the_record():
 
 
 def test_readme_segment_picture_is_a_graded_test_scene():
-    """The README's scene is test scene 1001 of the segments world, graded with
-    the shipped adapter in its first report (kept in its record) and spent in the
-    ledger, so that the fresh grade's scenes stay unseen"""
+    """A.1's scene (the README links there) is test scene 1001 of the segments
+    world, graded with the shipped adapter in its first report (kept in its record)
+    and spent in the ledger, so that the fresh grade's scenes stay unseen"""
     import numpy as np
 
     import paligemma_lib.segmentation  # noqa: F401  (adds the segments world)
@@ -204,6 +204,6 @@ def test_readme_segment_picture_is_a_graded_test_scene():
     picture = load_image(ROOT / "book/figures/segment_scene.png")
     assert np.array_equal(np.asarray(picture), np.asarray(scene.image))
     assert scene.prompt == "segment circle"
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert '--prompt "segment circle" --adapter segment --draw /tmp/masks.png' in readme
+    page = " ".join((ROOT / "book/a1_using_the_library.md").read_text().split())
+    assert '--prompt "segment circle" --adapter segment --draw /tmp/masks.png' in page
     assert (ROOT / "book/figures/segment_masks.png").is_file()

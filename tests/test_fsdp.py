@@ -730,7 +730,7 @@ def test_resumed_comparison_catches_a_lost_optimiser_state(tmp_path):
 
 
 def test_readme_fsdp_commands_parse_with_two_examples_per_gpu():
-    """The README's full fine-tuning commands: options `train` takes, and 2 examples
+    """A.1's full fine-tuning commands: options `train` takes, and 2 examples
     per GPU and micro-batch, what chapter 11.2's per-process memory counts assume"""
     import re
     import shlex
@@ -738,9 +738,9 @@ def test_readme_fsdp_commands_parse_with_two_examples_per_gpu():
 
     from paligemma_lib.cli.main import parse_args
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "book/a1_using_the_library.md").read_text()
     readme = readme.replace("\\\n", " ")
-    pattern = r"^torchrun --nproc_per_node (\d+) -m paligemma_lib (train .*)$"
+    pattern = r"^torchrun --nproc_per_node (\d+) -m paligemma_lib (train --fsdp .*)$"
     commands = re.findall(pattern, readme, re.MULTILINE)
     assert [n for n, _ in commands] == ["8", "2"]
     for processes, command in commands:

@@ -513,10 +513,11 @@ def test_a_size_beyond_the_split_names_its_flag(run):
                    "give --limit 10000 or less")  # fmt: skip
 
 
-def test_the_readme_draws_outside_the_repository():
-    "§18: the README's --draw writes where it is not taken for a project file"
-    readme = (ROOT / "README.md").read_text()
-    drawn = re.findall(r"--draw (\S+)", readme)
-    assert drawn, "the README shows --draw"
+@pytest.mark.parametrize("page", ["README.md", "book/a1_using_the_library.md"])
+def test_the_readme_draws_outside_the_repository(page):
+    "§18: the README's and A.1's --draw write where none is taken for a project file"
+    text = (ROOT / page).read_text()
+    drawn = re.findall(r"--draw (\S+)", text)
+    assert drawn or page == "README.md", f"{page} shows --draw"
     for path in drawn:
         assert Path(path).is_absolute() and not Path(path).is_relative_to(ROOT), path

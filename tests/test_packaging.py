@@ -259,3 +259,28 @@ def test_the_first_python_snippet_runs_on_a_shipped_picture(page):
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout == make_example("shapes", 1_000_012_013, "caption").answer + "\n"
+
+
+def test_the_readme_stays_short():
+    "Issue 51 §19: the README is a front page; the details live in the appendix"
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+def test_nbdev_clean_keeps_the_folds_captions(tmp_path):
+    "`nbdev-clean`, which the README asks for, must not strip a fold's caption"
+    import json
+    import shutil
+    import subprocess
+
+    notebook = tmp_path / "12b_segmentation.ipynb"
+    shutil.copyfile(ROOT / "book" / "12b_segmentation.ipynb", notebook)
+    shutil.copyfile(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    subprocess.run(["nbdev-clean", "--fname", str(notebook)], cwd=ROOT, check=True)
+    before = json.loads((ROOT / "book" / "12b_segmentation.ipynb").read_text())
+    after = json.loads(notebook.read_text())
+    folds = [
+        c["metadata"]["mystnb"] for c in before["cells"] if "mystnb" in c["metadata"]
+    ]
+    assert folds and folds == [
+        c["metadata"]["mystnb"] for c in after["cells"] if "mystnb" in c["metadata"]
+    ]
