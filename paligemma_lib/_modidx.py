@@ -675,6 +675,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                            'paligemma_lib/real_images.py')},
             'paligemma_lib.resolution': { 'paligemma_lib.resolution.at_resolution': ( 'resolution.html#at_resolution',
                                                                                       'paligemma_lib/resolution.py'),
+                                          'paligemma_lib.resolution.detail_note': ( 'resolution.html#detail_note',
+                                                                                    'paligemma_lib/resolution.py'),
                                           'paligemma_lib.resolution.processor_at': ( 'resolution.html#processor_at',
                                                                                      'paligemma_lib/resolution.py'),
                                           'paligemma_lib.resolution.resample_positions': ( 'resolution.html#resample_positions',

@@ -64,3 +64,54 @@ def test_at_448_the_tokens_and_the_room_for_text_follow():
     assert (processor.image_size, processor.num_image_tokens) == (448, 784)
     with pytest.raises(ValueError, match="not a multiple of the patch size"):
         at_resolution(nano, 450)
+
+
+# --- the command line (issue 52 §5) ---
+
+
+def generate(capsys, tmp_path, size, *flags):
+    "generate's (stdout, stderr lines) for a plain picture of `size`"
+    from paligemma_lib.cli.main import main
+
+    picture = tmp_path / "picture.png"
+    Image.new("RGB", size, (220, 220, 220)).save(picture)
+    code = main(["generate", "--image", str(picture), "--prompt", "caption en", *flags])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out, err.splitlines()
+
+
+def test_generate_at_another_resolution_answers_as_at_resolution(capsys, tmp_path):
+    from paligemma_lib import answer
+
+    out, notes = generate(capsys, tmp_path, (448, 448), "--resolution", "448")
+    assert len(notes) == 1 and "resampled (chapter 11.4)" in notes[0], notes
+    nano = load_pretrained("nano")
+    processor = processor_at(PaliGemmaProcessor.from_pretrained("nano"), 448, 16)
+    picture = Image.open(tmp_path / "picture.png")
+    assert out.strip() == answer(
+        at_resolution(nano, 448), processor, picture, "caption en"
+    )
+
+
+def test_a_resolution_that_is_no_multiple_of_the_patch_is_refused(capsys):
+    from paligemma_lib.cli.main import main
+
+    args = ["--image", "book/figures/nano_scene.png", "--prompt", "caption en"]
+    assert main(["generate", *args, "--resolution", "450"]) == 1
+    err = capsys.readouterr().err
+    assert "--resolution 450: give a multiple of nano's patch of 16 pixels" in err
+
+
+@pytest.mark.parametrize(
+    "size,said",
+    [((60, 40), "enlarged 3.7 times"), ((224, 224), None),
+     ((1200, 1000), "5.4 times smaller")],
+)  # fmt: skip
+def test_generate_says_when_the_pictures_detail_and_the_models_view_differ(
+    capsys, tmp_path, size, said
+):
+    _, notes = generate(capsys, tmp_path, size)
+    assert notes == ([] if said is None else [notes[0]])
+    if said is not None:
+        assert notes[0].startswith("note: the picture is") and said in notes[0]

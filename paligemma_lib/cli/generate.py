@@ -17,6 +17,7 @@ from ..demo import MAX_IMAGE_PIXELS
 from ..generation import TruncatedAnswerWarning, answer
 from ..image_processing import load_image
 from ..processing import PaliGemmaProcessor
+from ..resolution import at_resolution, detail_note, processor_at
 from ..segmentation import draw_segments, load_mask_vae, parse_segments
 from ..weights import DTYPES, load_pretrained, resolve_device
 from .options import (
@@ -74,6 +75,15 @@ def add_generate_parser(commands) -> None:
         help="default: as stored in the checkpoint",
     )
     gen.add_argument("--device", default="auto", help=DEVICE_HELP)
+    gen.add_argument(
+        "--resolution",
+        type=int,
+        default=None,
+        metavar="PIXELS",
+        help="see pictures of this many pixels a side (a multiple of the patch, "
+        "e.g. 448 or 896), the model's learned positions resampled as chapter 11.4 "
+        "does; default: the model's own",
+    )
     add_quantize_argument(gen)
     gen.add_argument(
         "--do-sample",
@@ -99,6 +109,36 @@ def add_generate_parser(commands) -> None:
         "e.g. big_vision's vae-oid.npz for real PaliGemma. Default: "
         "$PALIGEMMA_SEG_VAE when set, else the VAE the package ships (chapter 12.1)",
     )
+
+
+def check_resolution(args: argparse.Namespace, processor) -> None:
+    "--resolution must be a multiple of the model's patch (read before it loads)"
+    if args.resolution is None:
+        return
+    own = processor.image_size
+    patch = own // math.isqrt(processor.num_image_tokens)
+    if args.resolution < patch or args.resolution % patch:
+        raise ValueError(
+            f"--resolution {args.resolution}: give a multiple of {args.model}'s patch "
+            f"of {patch} pixels, e.g. {2 * own} (twice its own {own})"
+        )
+
+
+def at_asked_resolution(model, processor, args: argparse.Namespace):
+    """The model and processor at --resolution (unchanged without it), with a note
+    where the model never trained at that size"""
+    own = model.config.vision.image_size
+    if args.resolution is None or args.resolution == own:
+        return model, processor
+    patch = model.config.vision.patch_size
+    print(
+        f"note: {args.model} sees {own} x {own} pixels as trained; at "
+        f"{args.resolution} its learned positions are resampled (chapter 11.4) with "
+        "no training at that size, so its answers may be worse",
+        file=sys.stderr,
+    )
+    resized = at_resolution(model, args.resolution)
+    return resized, processor_at(processor, args.resolution, patch)
 
 
 def check_sampling_flags(args: argparse.Namespace) -> None:
@@ -192,11 +232,18 @@ def generate_command(args: argparse.Namespace, argv=None) -> int:
             file=sys.stderr,
         )
     processor = PaliGemmaProcessor.from_pretrained(args.model)
+    check_resolution(args, processor)
     device = resolve_device(args.device)
-    model = load_pretrained(
-        args.model, dtype=args.dtype, device=device, quantize=args.quantize
-    )
+    model = load_pretrained(args.model, dtype=args.dtype, device=device)
+    model, processor = at_asked_resolution(model, processor, args)
+    if args.quantize == "int8":  # after the resampling, which rebuilds the model
+        from ..quantize import quantize_int8
+
+        quantize_int8(model)
     model = with_adapter(model, args, device)
+    note = detail_note(*image.size, processor.image_size)
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr)
     generator = (
         torch.Generator(device).manual_seed(args.seed)
         if args.seed is not None
