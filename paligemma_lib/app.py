@@ -518,11 +518,9 @@ def launch(
 
 def browser_address(host: str, port: int) -> str:
     """The address a browser on this machine opens: a server on every interface
-    (0.0.0.0, ::) is reached at the loopback address, which the line says"""
-    if host in ("0.0.0.0", "::", ""):
+    (0.0.0.0) is reached at the loopback address, which the line says"""
+    if host in ("0.0.0.0", ""):
         return f"http://127.0.0.1:{port} (listening on every interface, port {port})"
-    if ":" in host:  # an IPv6 address goes in brackets
-        return f"http://[{host}]:{port}"
     return f"http://{host}:{port}"
 
 

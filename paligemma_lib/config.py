@@ -5,7 +5,8 @@
 
 # %% auto #0
 __all__ = ['known_fields', 'VisionConfig', 'GEMMA2_FIELDS', 'TextConfig',
-           'Gemma2TextConfig', 'patch_to', 'PaliGemmaConfig']
+           'Gemma2TextConfig', 'patch_to', 'PaliGemmaConfig', 'KINDS',
+           'TOKEN_IDS', 'check_config_values']
 
 # %% ../book/01_images_to_patches.ipynb #c006
 from dataclasses import asdict, dataclass, fields
@@ -413,3 +414,33 @@ def to_hf(self) -> dict:
         "eos_token_id": self.eos_token_id,
         "tie_word_embeddings": True,
     }
+
+# %% ../book/09_loading_real_weights.ipynb #c51cfg1c
+KINDS = {int: "an integer", float: "a number", str: "a string"}
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")  # may be lists
+
+
+def _check_types(section, cls, where: str):
+    "Each field of dataclass `cls` given in `section` has that field's type"
+    if not isinstance(section, dict):
+        raise ValueError(f"{where} must be a JSON object, not {section!r}")
+    for f in fields(cls):
+        value = section.get(f.name)
+        if value is None or f.type not in KINDS or f.name in TOKEN_IDS:
+            continue
+        kinds = (int, float) if f.type is float else f.type
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise ValueError(
+                f"{f.name}={value!r} {where} must be {KINDS[f.type]}"
+            )
+
+
+def check_config_values(d: dict):
+    "The types of a config.json's fields, each wrong one named"
+    text, vision = d.get("text_config") or {}, d.get("vision_config") or {}
+    _check_types(text, Gemma2TextConfig, "in text_config")
+    _check_types(vision, VisionConfig, "in vision_config")
+    _check_types(d, PaliGemmaConfig, "at the top level")
+    # the Hub's files repeat these at the top level (transformers' defaults)
+    repeated = {k: d.get(k) for k in ("hidden_size", "vocab_size")}
+    _check_types(repeated, TextConfig, "at the top level")

@@ -380,6 +380,35 @@ def _tokenizer_file(folder: Path) -> Path:
     return folder / "tokenizer.model"
 
 
+def _check_positive_ints(values, what: str, folder: Path):
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+               for v in values):  # fmt: skip
+        raise ValueError(
+            f"the files in {folder} give {what} {values}: each must be a "
+            "positive whole number"
+        )
+
+
+def _check_image_values(settings: dict, folder: Path):
+    "Sizes positive integers; a mean and a positive std for each of 3 channels"
+    sizes = [settings["image_size"], settings["num_image_tokens"]]
+    _check_positive_ints(sizes, "image_size and num_image_tokens", folder)
+    for key in ("image_mean", "image_std"):
+        values = settings.get(key, (0.5, 0.5, 0.5))
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                      for v in values)  # fmt: skip
+        if (
+            len(values) != 3
+            or not numbers
+            or (key == "image_std" and min(values) <= 0)
+        ):
+            raise ValueError(
+                f"the files in {folder} give {key} {list(values)}: give three "
+                "numbers, one a channel"
+                + (", each above 0" if key == "image_std" else "")
+            )
+
+
 def _image_settings(folder: Path) -> dict:
     """image_size, num_image_tokens, image_mean, image_std from a folder's JSON
     files"""
@@ -398,7 +427,9 @@ def _image_settings(folder: Path) -> dict:
             where = (
                 "config.json (vision_config: image_size / patch_size, squared)"
             )
-            side = vision["image_size"] // vision["patch_size"]
+            sizes = [vision["image_size"], vision["patch_size"]]
+            _check_positive_ints(sizes, "image_size and patch_size", folder)
+            side = sizes[0] // sizes[1]
             found.setdefault("num_image_tokens", {})[where] = side**2
     for where, section in [
         ("top level", config),
@@ -439,7 +470,9 @@ def _image_settings(folder: Path) -> dict:
             ]
         for key in ["image_mean", "image_std"]:
             if key in settings:
-                found.setdefault(key, {})[name] = tuple(settings[key])
+                value = settings[key]
+                value = tuple(value) if isinstance(value, list) else (value,)
+                found.setdefault(key, {})[name] = value
     for key, values in found.items():
         if len(set(values.values())) > 1:
             raise ValueError(
@@ -453,7 +486,9 @@ def _image_settings(folder: Path) -> dict:
             "build PaliGemmaProcessor(tokenizer, image_size=..., "
             "num_image_tokens=...) yourself"
         )
-    return {key: next(iter(values.values())) for key, values in found.items()}
+    settings = {k: next(iter(v.values())) for k, v in found.items()}
+    _check_image_values(settings, folder)
+    return settings
 
 # %% ../book/06_tokenizer_and_processor.ipynb #341868a9
 def _tokenizer_config(tok: GemmaTokenizer) -> dict:

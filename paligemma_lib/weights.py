@@ -2,13 +2,12 @@
 
 # %% auto #0
 __all__ = ['KEY_MAP', 'EMBEDDING', 'LM_HEAD', 'SINGLE_FILE', 'INDEX_FILE', 'DTYPES',
-           'POOLING_HEAD', 'QUANTIZE', 'KINDS', 'TOKEN_IDS',
-           'CheckpointError', 'read_safetensors_header', 'our_name',
-           'read_checkpoint_json', 'checkpoint_files', 'stored_tensors',
-           'check_tensors', 'resolve_dtype', 'resolve_device',
-           'skip_pooling_head', 'check_tied_head', 'read_tensors',
-           'check_config_values', 'load_pretrained', 'write_safetensors',
-           'save_pretrained', 'find_real_checkpoint']
+           'POOLING_HEAD', 'QUANTIZE', 'CheckpointError',
+           'read_safetensors_header', 'our_name', 'read_checkpoint_json',
+           'checkpoint_files', 'stored_tensors', 'check_tensors',
+           'resolve_dtype', 'resolve_device', 'skip_pooling_head',
+           'check_tied_head', 'read_tensors', 'load_pretrained',
+           'write_safetensors', 'save_pretrained', 'find_real_checkpoint']
 
 # %% ../book/09_loading_real_weights.ipynb #c003
 import json
@@ -17,16 +16,10 @@ import re
 import secrets
 import shutil
 import warnings
-from dataclasses import fields
 from pathlib import Path
 
 import torch
-from paligemma_lib.config import (
-    Gemma2TextConfig,
-    PaliGemmaConfig,
-    TextConfig,
-    VisionConfig,
-)
+from .config import PaliGemmaConfig, check_config_values
 from .devices import has_native_bf16, pick_device
 from paligemma_lib.model_files import (
     cached_snapshots,
@@ -436,36 +429,6 @@ def _read_config(path) -> tuple[dict, PaliGemmaConfig]:
             f"{Path(path) / 'config.json'} does not describe a PaliGemma "
             f"this library builds: {e}"
         ) from None
-
-# %% ../book/09_loading_real_weights.ipynb #c51cfg1c
-KINDS = {int: "an integer", float: "a number", str: "a string"}
-TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")  # may be lists
-
-
-def _check_types(section, cls, where: str):
-    "Each field of dataclass `cls` given in `section` has that field's type"
-    if not isinstance(section, dict):
-        raise ValueError(f"{where} must be a JSON object, not {section!r}")
-    for f in fields(cls):
-        value = section.get(f.name)
-        if value is None or f.type not in KINDS or f.name in TOKEN_IDS:
-            continue
-        kinds = (int, float) if f.type is float else f.type
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            raise ValueError(
-                f"{f.name}={value!r} {where} must be {KINDS[f.type]}"
-            )
-
-
-def check_config_values(d: dict):
-    "The types of a config.json's fields, each wrong one named"
-    text, vision = d.get("text_config") or {}, d.get("vision_config") or {}
-    _check_types(text, Gemma2TextConfig, "in text_config")
-    _check_types(vision, VisionConfig, "in vision_config")
-    _check_types(d, PaliGemmaConfig, "at the top level")
-    # the Hub's files repeat these at the top level (transformers' defaults)
-    repeated = {k: d.get(k) for k in ("hidden_size", "vocab_size")}
-    _check_types(repeated, TextConfig, "at the top level")
 
 # %% ../book/09_loading_real_weights.ipynb #b883af88
 def load_pretrained(

@@ -468,6 +468,28 @@ def test_a_config_json_field_of_the_wrong_type_is_named(
         load_pretrained(model)
 
 
+@pytest.mark.parametrize(
+    "file,change,words",
+    [
+        ("config.json", {"image_size": None}, "give image_size and patch_size [None,"),
+        ("config.json", {"image_size": "224"}, "image_size and patch_size ['224',"),
+        ("preprocessor_config.json", {"image_mean": [0.5, 0.5]},
+         "give image_mean [0.5, 0.5]: give three numbers"),
+        ("preprocessor_config.json", {"image_mean": "x"}, "give image_mean ['x']"),
+        ("preprocessor_config.json", {"image_std": [0, 0, 0]}, "each above 0"),
+    ],
+)  # fmt: skip
+def test_bad_image_settings_are_named_not_a_traceback(
+    checkpoint, tmp_path, capsys, file, change, words
+):
+    "The trial of issue 51: the processor's settings checked, the field named"
+    model = model_copy(checkpoint, tmp_path)
+    saved = json.loads((model / file).read_text())
+    (saved["vision_config"] if file == "config.json" else saved).update(change)
+    (model / file).write_text(json.dumps(saved))
+    one_error_line(run_main(capsys, checkpoint, model=model), words)
+
+
 def sharded(checkpoint, tmp_path) -> Path:
     "The checkpoint as an index and one shard, as the Hub's larger models are laid out"
     model = model_copy(checkpoint, tmp_path)
@@ -711,7 +733,10 @@ def test_a_folder_named_nano_is_dot_nano(checkpoint, tmp_path, capsys, monkeypat
     assert run_main(capsys, checkpoint, model="./nano") == expected
     run = run_default(capsys, checkpoint, "--max-new-tokens", "3")
     assert run.returncode == 0, run.stderr
-    assert run.stderr.startswith("note: --model nano is the shipped model, not the ")
+    assert run.stderr.startswith(
+        "note: nano means the shipped model; the folder nano here is a model: give "
+        "it as --model ./nano"
+    )
 
 
 def test_an_unknown_model_name_lists_the_shipped_ones(checkpoint, tmp_path, capsys):

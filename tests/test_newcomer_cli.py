@@ -222,8 +222,8 @@ def test_an_empty_folder_named_like_a_shipped_one(run, scripted, tmp_path, monke
     result = run("generate", *image)
     assert result.code == 0 and result.out == expected.out, result
     assert notes(result) == [
-        "note: --model nano is the shipped model, not the folder nano here; give "
-        "--model ./nano for that folder"
+        "note: nano means the shipped model; the folder nano here is no model (no "
+        "config.json)"
     ]
     result = run("generate", "--model", "./nano", *image)
     one_error_line(result, "nano is not a PaliGemma checkpoint: it has no config.json")
@@ -293,7 +293,7 @@ def notes(result: Run) -> list:
 def test_nothing_is_written_among_the_shipped_files(run, tmp_path, command):
     """§1, §2: --out and --draw refuse every path among the package's assets, also
     through a symbolic link, before anything is read or written"""
-    from paligemma_lib.cli.options import ASSETS
+    from paligemma_lib.cli.out_folders import ASSETS
 
     (tmp_path / "link").symlink_to(ASSETS)
     before = {f: f.read_bytes() for f in ASSETS.rglob("*") if f.is_file()}
@@ -335,10 +335,14 @@ def test_an_out_that_holds_a_run_needs_resume_or_overwrite(run, tmp_path):
     --overwrite; --overwrite starts over, removing that run's files only"""
     out = tmp_path / "run"
     assert tiny_train(run, out).code == 0
+    one_error_line(tiny_train(run, out), f"--out {out} holds the checkpoints",
+                   "add --resume to continue it", "--overwrite")  # fmt: skip
     shutil.rmtree(out / "checkpoints")  # the model and its record kept, as shipped
     config = (out / "config.json").read_bytes()
-    one_error_line(tiny_train(run, out), f"--out {out} holds the training_record.json",
-                   "add --resume", "--overwrite to start over")  # fmt: skip
+    line = one_error_line(tiny_train(run, out),
+                          f"--out {out} holds the training_record.json",
+                          "add --overwrite to start over")  # fmt: skip
+    assert "--resume" not in line  # nothing to resume from: not offered
     assert (out / "config.json").read_bytes() == config
     one_error_line(tiny_train(run, out, "--resume", "--overwrite"), "give one")
     (out / "checkpoints" / "step-0000099").mkdir(parents=True)  # an older run's
@@ -354,6 +358,17 @@ def test_an_out_that_holds_a_run_needs_resume_or_overwrite(run, tmp_path):
     train = build_parser("train")._subparsers._group_actions[0].choices["train"]
     help_text = " ".join(train.format_help().split())
     assert "--overwrite start over in an --out that holds a run" in help_text
+
+
+def test_resuming_a_lora_run_without_lora_says_so(run, tmp_path):
+    "The trial of issue 51: not 'the checkpoint has no config.json'"
+    out = tmp_path / "lora-run"
+    sizes = ["--steps", "1", "--batch-size", "2", "--eval-size", "1", "--no-progress"]
+    result = run("train", "--model", "nano", "--lora", "--out", out, *sizes)
+    assert result.code == 0, result
+    sizes[1] = "2"
+    one_error_line(run("train", "--model", "nano", "--out", out, "--resume", *sizes),
+                   "holds a LoRA run's checkpoints; give the --lora flags")  # fmt: skip
 
 
 @pytest.mark.parametrize("where", ["under-a-file", "proc"])
@@ -394,9 +409,9 @@ def test_a_folder_named_nano_here_is_not_the_default_model(run, tmp_path, monkey
     adapter_copy(Path("nano"), {"fine-tuned from": "nano", "worlds": {"shapes": 1}})
     result = run("generate", *scene)
     assert (result.code, result.out) == (0, expected.out), result
-    assert notes(result) == [
-        "note: --model nano is the shipped model, not the folder nano here; give "
-        "--model ./nano for that folder"
+    assert notes(result) == [  # true of the folder: an adapter, and how to give it
+        "note: nano means the shipped model; the folder nano here is a LoRA adapter: "
+        "give it as --adapter ./nano"
     ]
     line = one_error_line(run("generate", "--model", "./nano", *scene))
     assert line == (
@@ -408,7 +423,7 @@ def test_a_folder_named_nano_here_is_not_the_default_model(run, tmp_path, monkey
     line = one_error_line(run("generate", "--model", "peft-made", *scene))
     assert "(its files do not name it)" in line and "names it" not in line
     result = run("generate", "--adapter", "./nano", *scene)  # nano's adapter
-    assert result.code == 0 and notes(result)[0].startswith("note: --model nano is")
+    assert result.code == 0 and not notes(result)  # given as it should be: no note
 
 
 @pytest.mark.parametrize("command", ["generate", "evaluate"])
@@ -521,3 +536,20 @@ def test_the_readme_draws_outside_the_repository(page):
     assert drawn or page == "README.md", f"{page} shows --draw"
     for path in drawn:
         assert Path(path).is_absolute() and not Path(path).is_relative_to(ROOT), path
+
+
+@pytest.mark.parametrize("host", ["::", "::1"])
+def test_the_demo_refuses_an_ipv6_host_before_serving(run, host):
+    "Gradio's server cannot be told an IPv6 address: one error line, nothing served"
+    one_error_line(run("demo", "--host", host, "--port", "7998"),
+                   f"--host {host}: the demo's server takes an IPv4 address",
+                   "0.0.0.0 for every interface")  # fmt: skip
+
+
+def test_draw_into_a_folder_says_it_is_a_folder(run, tmp_path):
+    "The trial of issue 51: not 'no extension is not an image format'"
+    (tmp_path / "pictures").mkdir()
+    args = ["--image", NANO_SCENE, "--prompt", "detect circle"]
+    line = one_error_line(run("generate", *args, "--draw", tmp_path / "pictures"),
+                          "is a folder; give a file name")  # fmt: skip
+    assert "extension" not in line

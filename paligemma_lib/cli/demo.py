@@ -5,13 +5,12 @@ import argparse
 import errno
 import socket
 
+from .adapter_checks import adapter_folder, check_adapter_base
 from .interrupt import ON_INTERRUPT
 from .options import (
     DEFAULT_MODEL,
     DEVICE_HELP,
-    adapter_folder,
     add_model_arguments,
-    check_adapter_base,
     check_device,
     check_model,
     command_parser,
@@ -55,6 +54,12 @@ def demo_command(args: argparse.Namespace, argv=None) -> int:
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if ":" in args.host:  # Gradio builds http://HOST:PORT and cannot parse it back
+        raise ValueError(
+            f"--host {args.host}: the demo's server takes an IPv4 address or a name, "
+            "not an IPv6 address; give 127.0.0.1 for this machine or 0.0.0.0 for "
+            "every interface"
+        )
     check_device(args.device)
     # the shipped adapters were trained on the shipped nano: another model (even
     # nano-real, fine-tuned from it) gets none unless asked for
@@ -67,7 +72,7 @@ def demo_command(args: argparse.Namespace, argv=None) -> int:
         args.segment_adapter,
         shipped_adapter("segment") if nano else None,
     )
-    check_model(args.model)
+    check_model(args.model, used=[args.adapter])
     given = (("--adapter", args.adapter), ("--segment-adapter", args.segment_adapter))
     for flag, value in given:  # trained on another model: refused, as generate does
         if value not in (None, "none"):

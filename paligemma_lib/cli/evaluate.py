@@ -13,26 +13,25 @@ from ..adapters import resolve_adapter_path
 from ..model_files import resolve_model_path
 from ..processing import PaliGemmaProcessor
 from ..weights import load_pretrained, resolve_device
+from .adapter_checks import adapter_folder, check_adapter_base
 from .options import (
     DEFAULT_MAX_NEW_TOKENS,
     DEVICE_HELP,
     WORLDS,
-    adapter_folder,
     add_model_arguments,
     add_quantize_argument,
     at_least,
-    check_adapter_base,
     check_device,
     check_model,
     check_quantize,
-    check_segment_taught,
     check_split_size,
     command_parser,
     import_data,
-    shipped,
     warning_note,
     with_adapter,
 )
+from .out_folders import shipped
+from .prompts import check_segment_taught
 
 
 def add_evaluate_parser(commands) -> None:
@@ -82,7 +81,7 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
     at_least(args, limit=1, batch_size=1, max_new_tokens=1)
     check_split_size("--limit", args.limit, args.split)
     check_device(args.device)
-    check_model(args.model)
+    check_model(args.model, used=[args.adapter])
     check_quantize(args)
     if args.adapter is not None:
         adapter_folder(args.adapter)

@@ -17,29 +17,31 @@ from ..demo import MAX_IMAGE_PIXELS
 from ..generation import TruncatedAnswerWarning, answer
 from ..image_processing import load_image
 from ..processing import PaliGemmaProcessor
-from ..resolution import at_resolution, detail_note, processor_at
+from ..resolution import detail_note
 from ..segmentation import draw_segments, load_mask_vae, parse_segments
 from ..weights import DTYPES, load_pretrained, resolve_device
+from .adapter_checks import adapter_folder, check_adapter_base
 from .options import (
     DEFAULT_MAX_NEW_TOKENS,
     DEVICE_HELP,
-    adapter_folder,
     add_model_arguments,
     add_quantize_argument,
-    check_adapter_base,
     check_device,
     check_image_arg,
     check_model,
-    check_prompt_text,
     check_quantize,
-    check_segment_taught,
     command_parser,
-    fully_transparent,
-    prompt_as_taught,
-    refuse_shipped,
     warning_note,
     with_adapter,
 )
+from .out_folders import refuse_shipped
+from .prompts import (
+    check_prompt_text,
+    check_segment_taught,
+    fully_transparent,
+    prompt_as_taught,
+)
+from .resolution_options import at_asked_resolution, check_resolution
 
 
 def add_generate_parser(commands) -> None:
@@ -111,36 +113,6 @@ def add_generate_parser(commands) -> None:
     )
 
 
-def check_resolution(args: argparse.Namespace, processor) -> None:
-    "--resolution must be a multiple of the model's patch (read before it loads)"
-    if args.resolution is None:
-        return
-    own = processor.image_size
-    patch = own // math.isqrt(processor.num_image_tokens)
-    if args.resolution < patch or args.resolution % patch:
-        raise ValueError(
-            f"--resolution {args.resolution}: give a multiple of {args.model}'s patch "
-            f"of {patch} pixels, e.g. {2 * own} (twice its own {own})"
-        )
-
-
-def at_asked_resolution(model, processor, args: argparse.Namespace):
-    """The model and processor at --resolution (unchanged without it), with a note
-    where the model never trained at that size"""
-    own = model.config.vision.image_size
-    if args.resolution is None or args.resolution == own:
-        return model, processor
-    patch = model.config.vision.patch_size
-    print(
-        f"note: {args.model} sees {own} x {own} pixels as trained; at "
-        f"{args.resolution} its learned positions are resampled (chapter 11.4) with "
-        "no training at that size, so its answers may be worse",
-        file=sys.stderr,
-    )
-    resized = at_resolution(model, args.resolution)
-    return resized, processor_at(processor, args.resolution, patch)
-
-
 def check_sampling_flags(args: argparse.Namespace) -> None:
     "Sampling flags make sense only together with --do-sample, and only in range"
     if not args.do_sample and (
@@ -166,6 +138,11 @@ def check_sampling_flags(args: argparse.Namespace) -> None:
 def check_draw_path(args: argparse.Namespace) -> None:
     "Fail before the (slow) model if the boxes could not be saved where --draw says"
     out = Path(args.draw)
+    if out.is_dir():
+        raise ValueError(
+            f"--draw {args.draw} is a folder; give a file name, e.g. "
+            f"{out / 'boxes.png'}"
+        )
     if out.suffix.lower() not in Image.registered_extensions():
         raise ValueError(
             f"--draw {args.draw}: {out.suffix or 'no extension'} is not an image "
@@ -217,7 +194,7 @@ def generate_command(args: argparse.Namespace, argv=None) -> int:
     # or one without tokenizer.model fails fast.
     check_image_arg(args.image)
     image = load_image(args.image)
-    check_model(args.model)
+    check_model(args.model, used=[args.adapter])
     check_quantize(args)
     if args.adapter is not None:
         adapter_folder(args.adapter)

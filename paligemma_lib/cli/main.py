@@ -65,7 +65,11 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     # the command is known now: its module, and torch, are imported only here
-    from .options import BAD_INPUT, one_line, warning_note
+    from .options import (
+        BAD_INPUT,
+        one_line,
+        warning_note,
+    )
 
     run = getattr(command_module(args.command), f"{args.command}_command")
     with warnings.catch_warnings():  # restores the caller's warning display

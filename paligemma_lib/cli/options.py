@@ -5,19 +5,17 @@ worlds, the device and image checks, and the errors reported in one line."""
 import argparse
 import math
 import re
-import shutil
 import sys
-import tempfile
 from dataclasses import fields
-from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 
 from ..adapters import SHIPPED_ADAPTERS
 from ..demo import check_image_pixels
-from ..model_files import SHIPPED, read_json, resolve_model_path
+from ..model_files import SHIPPED, resolve_model_path
 from ..weights import CheckpointError, checkpoint_files
+from .adapter_checks import adapter_base, base_source, note_shadowed
 
 BAD_INPUT = (
     CheckpointError,
@@ -53,12 +51,13 @@ def no_adapter(value: str):
     return None if value == "none" else value
 
 
-def check_model(name_or_path, flag: str = "--model") -> None:
+def check_model(name_or_path, flag: str = "--model", used=()) -> None:
     """The checkpoint files of --model, with a hint when it names an adapter
-    folder, and a note when a folder here has the shipped name it gives"""
+    folder, and a note when a folder here has the shipped name it gives (unless
+    the command gives that folder too, `used`: its --adapter)"""
     from ..adapters import ADAPTER_CONFIG
 
-    note_shadowed(name_or_path, SHIPPED, flag, "model")
+    note_shadowed(name_or_path, SHIPPED, flag, "model", used)
     folder = resolve_model_path(name_or_path)
     if (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file():
         base = adapter_base(folder)
@@ -73,225 +72,6 @@ def check_model(name_or_path, flag: str = "--model") -> None:
             f"--adapter {name_or_path}, {model}"
         )
     checkpoint_files(name_or_path)
-
-
-def note_shadowed(name, shipped_names, flag: str, what: str) -> None:
-    """One line when `name` is a shipped name and a folder here has it too: the
-    shipped one is used"""
-    if isinstance(name, str) and name in shipped_names and Path(name).is_dir():
-        print(
-            f"note: {flag} {name} is the shipped {what}, not the folder {name} here; "
-            f"give {flag} ./{name} for that folder",
-            file=sys.stderr,
-        )
-
-
-def base_source(adapter: Path) -> str:
-    "Which file of an adapter folder names its base model"
-    if read_json(adapter / "training_record.json", missing_ok=True).get(
-        "fine-tuned from"
-    ):
-        return "training_record.json ('fine-tuned from')"
-    return "adapter_config.json (base_model_name_or_path)"
-
-
-def adapter_base(adapter: Path) -> str | None:
-    """The model an adapter folder was trained on, as its training record (or
-    else its adapter_config.json) names it; None if neither does"""
-    from ..adapters import ADAPTER_CONFIG
-
-    record = read_json(adapter / "training_record.json", missing_ok=True)
-    base = record.get("fine-tuned from") or read_json(
-        adapter / ADAPTER_CONFIG, missing_ok=True
-    ).get("base_model_name_or_path")
-    return base if isinstance(base, str) and base else None
-
-
-def same_model(a: Path, b: Path) -> bool:
-    "Two checkpoint folders: the same folder, or the same weights' bytes"
-    if a.resolve() == b.resolve():
-        return True
-    weights = [sorted(f.glob("*.safetensors")) for f in (a, b)]
-    if [f.name for f in weights[0]] != [f.name for f in weights[1]]:
-        return False
-    for x, y in zip(*weights):
-        if x.stat().st_size != y.stat().st_size:
-            return False
-    return all(x.read_bytes() == y.read_bytes() for x, y in zip(*weights))
-
-
-def check_adapter_base(model, adapter, flag: str = "--adapter") -> None:
-    """Refuse an adapter whose files name the model it was trained on when
-    --model is another: its updates fit that model's weights only. Nothing is
-    said where the base is not named, or not found here"""
-    from ..adapters import resolve_adapter_path
-
-    folder = resolve_adapter_path(adapter)
-    base = adapter_base(folder)
-    if base is None:
-        return
-    try:
-        base_folder = resolve_model_path(base)
-    except FileNotFoundError:
-        return
-    if same_model(base_folder, resolve_model_path(model)):
-        return
-    raise ValueError(
-        f"{flag} {adapter} was trained on the model {base} (its "
-        f"{base_source(folder)} says so), and --model {model} is another model, "
-        f"whose weights its updates were not trained with; give --model {base}, or "
-        f"an adapter trained on {model}"
-    )
-
-
-def adapter_folder(name_or_path, flag: str = "--adapter") -> Path:
-    """The adapter folder --adapter names, its files checked before any model
-    loads"""
-    from ..adapters import check_adapter
-
-    note_shadowed(name_or_path, SHIPPED_ADAPTERS, flag, "adapter")
-    try:
-        folder, _ = check_adapter(name_or_path)
-    except (OSError, ValueError) as e:  # the same kind, the flag named first
-        raise type(e)(f"{flag} {name_or_path}: {e}") from None
-    return folder
-
-
-ASSETS = Path(__file__).resolve().parents[1] / "assets"  # the shipped files
-
-
-def shipped(folder) -> bool:
-    "Whether `folder` is one the package ships (a model or an adapter)"
-    return Path(folder).resolve().is_relative_to(ASSETS)
-
-
-def refuse_shipped(path, flag: str) -> None:
-    """Refuse a path a command would write when it lies among the package's
-    shipped files (paligemma_lib/assets, symbolic links followed): the commands
-    only read those"""
-    if shipped(path):
-        raise ValueError(
-            f"{flag} {path} is inside the files shipped with the package "
-            f"({ASSETS}), which the commands never change; give a path outside it"
-        )
-
-
-def taught_worlds(model, adapter=None) -> set | None:
-    """The worlds the model (and adapter) were trained on, by their training
-    records; None when a record is missing (real PaliGemma has none)"""
-    from ..adapters import resolve_adapter_path
-
-    folders = [resolve_model_path(model)]
-    if adapter is not None:
-        folders.append(resolve_adapter_path(adapter))
-    worlds = set()
-    for folder in folders:
-        record = read_json(folder / "training_record.json", missing_ok=True)
-        if not isinstance(record.get("worlds"), dict):
-            return None
-        worlds |= set(record["worlds"])
-    return worlds
-
-
-def check_segment_taught(args) -> None:
-    """Refuse `segment` where the training records show the model (and its
-    adapter) never learned it: the answer would hold no mask, yet be drawn or
-    graded as one"""
-    taught = taught_worlds(args.model, args.adapter)
-    if taught is None or "segments" in taught:
-        return
-    adapter = f" with adapter {args.adapter}" if args.adapter is not None else ""
-    raise ValueError(
-        f"{args.model}{adapter} was not taught `segment` (its training records "
-        f"list {', '.join(sorted(taught))}), so it answers no masks; add "
-        "--adapter segment, the shipped adapter that teaches it (chapter 12.1), "
-        "or an adapter trained on the segments world"
-    )
-
-
-def world_prompts(world: str) -> dict:
-    """The prompts the examples of `world` ask (chapters 11, 12.1 and 12.2), by
-    task: the tasks' templates, filled with the kinds of things it draws"""
-    from ..data import KINDS, PROMPTS, TASKS
-
-    if world not in TASKS:  # a world of chapter 12.1 or 12.2, added on import
-        import_data()
-    kinds, templates = KINDS, dict(PROMPTS)
-    if world == "clothing":
-        from ..real_images import COUNT_PROMPT, ITEMS
-
-        kinds, templates["count"] = ITEMS, COUNT_PROMPT
-    return {
-        task: [templates[task].format(kind=kind) for kind in kinds]
-        for task in TASKS[world]
-    }
-
-
-def taught_prompts(model, adapter=None) -> dict | None:
-    """The prompts the model (and adapter) were trained on, by task, from the
-    worlds of their training records; None when a record lists no worlds"""
-    worlds = taught_worlds(model, adapter)
-    if worlds is None:
-        return None
-    taught = {}
-    for world in sorted(worlds & set(WORLDS)):
-        for task, prompts in world_prompts(world).items():
-            taught[task] = sorted({*taught.get(task, []), *prompts})
-    return taught
-
-
-def prompt_as_taught(args) -> str:
-    """--prompt as the model is asked it: with the spaces of a prompt it was
-    trained on when it differs from one only in spaces (the tokenizer reads
-    every space), said in one line; one line, too, when the training records
-    list no such prompt"""
-    taught = taught_prompts(args.model, args.adapter)
-    prompt = args.prompt
-    every = {p for prompts in (taught or {}).values() for p in prompts}
-    if taught is None or prompt in every:
-        return prompt
-    model = args.model + (f" with adapter {args.adapter}" if args.adapter else "")
-    spaced = " ".join(prompt.split())
-    if spaced in every:
-        print(
-            f"note: asked {spaced!r}, the prompt {model} was trained on, for "
-            f"{prompt!r} (its spaces differ, and the tokenizer reads every space)",
-            file=sys.stderr,
-        )
-        return spaced
-    alike = sorted(p for p in every if p.split()[0] == spaced.split()[0])
-    if not alike:  # one of each task's
-        alike = [prompts[0] for prompts in taught.values()]
-    shown = ", ".join(repr(p) for p in alike[:12]) + (", ..." if alike[12:] else "")
-    print(
-        f"note: {model} was not trained on the prompt {prompt!r}, so the answer "
-        f"may mean nothing; its training records' prompts include {shown}",
-        file=sys.stderr,
-    )
-    return prompt
-
-
-def check_prompt_text(prompt: str) -> None:
-    "--prompt as text: bytes that are not UTF-8 are refused, not tokenised"
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as e:
-        byte = ord(prompt[e.start]) - 0xDC00  # os.fsdecode's escape of a byte
-        what = f"byte 0x{byte:02x}" if 0x80 <= byte <= 0xFF else "a character"
-        raise ValueError(
-            f"--prompt is not valid UTF-8 text ({what} at character {e.start}); "
-            "give the prompt as UTF-8 text (check the terminal's encoding)"
-        ) from None
-
-
-def fully_transparent(path) -> bool:
-    "Whether every pixel of the image file is fully transparent (alpha 0)"
-    from PIL import Image
-
-    with Image.open(path) as image:
-        if "A" not in image.getbands() and "transparency" not in image.info:
-            return False
-        return image.convert("RGBA").getchannel("A").getextrema()[1] == 0
 
 
 QUANTIZE_HELP = (
@@ -463,71 +243,6 @@ DEFAULT_MAX_NEW_TOKENS = 80
 def warning_note(message, category, filename, lineno, file=None, line=None):
     "A library warning as one `note:` line, without the source file and line"
     print(f"note: {one_line(message)}", file=sys.stderr)
-
-
-# what a run writes into --out: a model (save_pretrained) or an adapter
-# (save_adapter), its record, its checkpoints; --overwrite removes these only
-RUN_FILES = (
-    "training_record.json",
-    "config.json",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "preprocessor_config.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "adapter_config.json",
-    "adapter_model.safetensors",
-)
-
-
-def check_out_folder(out: Path, resume: bool, overwrite: bool = False) -> Path:
-    """--out: a folder outside the shipped files, holding a run's checkpoints
-    exactly when --resume is given, and a run's files only with --resume or
-    --overwrite"""
-    from ..resume import CHECKPOINTS, latest_checkpoint
-
-    refuse_shipped(out, "--out")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; give a folder")
-    if resume and overwrite:
-        raise ValueError(
-            "--resume continues the run in --out, --overwrite starts it over: "
-            "give one of the two"
-        )
-    if resume and latest_checkpoint(out) is None:
-        raise ValueError(f"--resume: {out} holds no checkpoint to continue from")
-    held = [name for name in (*RUN_FILES, CHECKPOINTS) if (out / name).exists()]
-    if held and not (resume or overwrite):
-        what = "the checkpoints" if CHECKPOINTS in held else f"the {held[0]}"
-        raise ValueError(
-            f"--out {out} holds {what} of a run: add --resume to continue it, "
-            "--overwrite to start over there (its model, record and checkpoints "
-            "are removed), or choose another folder"
-        )
-    return out
-
-
-def check_writable(out: Path, flag: str = "--out") -> None:
-    "Create --out if needed and write a file there, before any training step"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as e:
-        raise ValueError(
-            f"{flag} {out} cannot be written ({e.strerror or e}); give a folder "
-            "you can write to"
-        ) from None
-
-
-def start_over(out: Path) -> None:
-    "--overwrite: remove the files and checkpoints an earlier run wrote in --out"
-    from ..resume import CHECKPOINTS
-
-    shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
-    names = [*RUN_FILES, *(f.name for f in out.glob("model-*.safetensors"))]
-    for name in names:
-        (out / name).unlink(missing_ok=True)
 
 
 def check_split_size(flag: str, size: int, split: str) -> None:

@@ -20,14 +20,12 @@ from .options import (
     at_least,
     check_device,
     check_model,
-    check_out_folder,
     check_split_size,
-    check_writable,
     command_parser,
     import_data,
     parse_worlds,
-    start_over,
 )
+from .out_folders import check_out_folder, check_writable, start_over
 
 DEFAULT_WORLDS = "shapes=0.7,ocr=0.3"  # nano's mix (chapter 11)
 
@@ -130,6 +128,20 @@ def batch_workers(asked: int | None, device: torch.device) -> int:
     return max(0, min(8, (os.cpu_count() or 1) - 1))
 
 
+def datasets(args: argparse.Namespace, worlds: dict) -> tuple:
+    "(training set, validation set or None): --data's examples, or the worlds'"
+    if args.data is not None:  # checked line by line before the model loads
+        from ..finetune import JsonlDataset
+
+        validation = None if args.eval_data is None else JsonlDataset(args.eval_data)
+        return JsonlDataset(args.data), validation
+    data = import_data()
+    return (
+        data.SyntheticDataset(worlds=worlds, split="train", size=args.train_size),
+        data.SyntheticDataset(worlds=worlds, split="validation", size=args.eval_size),
+    )
+
+
 def train_command(args: argparse.Namespace, argv) -> int:
     from ..resume import latest_checkpoint
     from ..train import TrainConfig, init_distributed
@@ -163,7 +175,7 @@ def train_command(args: argparse.Namespace, argv) -> int:
     if args.warmup_steps is None:
         settings["warmup_steps"] = args.steps // 20
     config = TrainConfig(**settings)
-    out = check_out_folder(Path(args.out), args.resume, args.overwrite)
+    out = check_out_folder(Path(args.out), args.resume, args.overwrite, args.lora)
     check_device(args.device)
     if args.model is not None:
         check_model(args.model)
@@ -186,19 +198,7 @@ def train_command(args: argparse.Namespace, argv) -> int:
     config.micro_batch_size(world_size)  # checks the split before the data loads
     if device.type == "cuda" and world_size > 1:
         device = torch.device("cuda", torch.cuda.current_device())
-    data = import_data()
-    if args.data is not None:  # checked line by line before the model loads
-        from ..finetune import JsonlDataset
-
-        train_set = JsonlDataset(args.data)
-        validation = None if args.eval_data is None else JsonlDataset(args.eval_data)
-    else:
-        train_set = data.SyntheticDataset(
-            worlds=worlds, split="train", size=args.train_size
-        )
-        validation = data.SyntheticDataset(
-            worlds=worlds, split="validation", size=args.eval_size
-        )
+    train_set, validation = datasets(args, worlds)
 
     def on_start():
         "Rank 0, before the first step: where it resumes, what Ctrl-C says"
