@@ -511,8 +511,9 @@ def cpu_resolution() -> str:
         f"as fast ({r896['prefill x 224']:.1f} times against "
         f"{r896['FLOPs x 224']:.1f}): this CPU does the larger attention (the "
         f"{r896['image tokens']:,} image tokens attending to one another, in each "
-        "layer) at a lower rate than the rest. A decoding step grows far less than the image "
-        f"tokens ({r896['step x 224']:.1f} times at 896, for 16 times the tokens): "
+        "layer) at a lower rate than the rest. A decoding step grows far less "
+        f"than the image tokens ({r896['step x 224']:.1f} times at 896, for 16 "
+        "times the tokens): "
         "it reads the weights once, and the cache's image tokens only in attention."
     )
     return "\n\n".join(
