@@ -43,6 +43,7 @@ from .demo import (
 )
 from .lora import lora_modules
 from .model_files import resolve_model_path
+from .resolution import detail_note
 from .segmentation import draw_segments
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -229,9 +230,12 @@ def drawn_answer(image, chosen: str, result) -> tuple:
     return shown, ""
 
 
-def shown_result(image, chosen: str, result, maps, limit: int, note="") -> tuple:
+def shown_result(
+    image, chosen: str, result, maps, limit: int, note="", detail=None
+) -> tuple:
     """What a finished run shows: the run's outputs (as `cleared`) and a message
-    (`note`, or what the run says about its answer)"""
+    (`note`, or what the run says about its answer; then `detail`, what the
+    model sees of the picture, chapter 11.4)"""
     tokens = [(f"{i}: {piece}", i) for i, piece in enumerate(result.pieces)]
     stats_text = (
         f"`{result.prompt}` -> {len(result.token_ids)} token(s) in "
@@ -254,6 +258,8 @@ def shown_result(image, chosen: str, result, maps, limit: int, note="") -> tuple
             "(<eos>): it may be cut short. Raise Max tokens under Generation "
             "settings",
         )
+    if detail:
+        notes.append(detail[0].upper() + detail[1:])
     note = message(". ".join(filter(None, notes)))
     return (
         result.text,
@@ -370,7 +376,8 @@ def page_handlers(model, processor, adapter: str | None, segment=None, examples=
         except Exception as e:  # a bug: the page says so, the console has the trace
             traceback.print_exc()
             return failed(f"internal error ({type(e).__name__}: {e})")
-        return shown_result(image, chosen, result, maps, int(n), note)
+        detail = detail_note(image.width, image.height, processor.image_size)
+        return shown_result(image, chosen, result, maps, int(n), note, detail)
 
     def on_token(image, maps, index, which):
         if image is None or maps is None or index is None:

@@ -321,6 +321,10 @@ def test_every_event_returns_one_value_per_output(reference, tmp_path):
     assert "stopped at the 2-token limit" in cut[-1], cut[-1]
     whole = handlers["on_run"].fn(scene, "caption", "", "none", *settings, 64)
     assert whole[-1] == "" and whole[0], whole
+    # a picture enlarged to the model's size: the page says it adds no detail
+    small = scene.resize((80, 80))
+    said = handlers["on_run"].fn(small, "caption", "", "none", *settings, 64)[-1]
+    assert "The picture is 80 x 80 pixels" in said and "adds no detail" in said
 
 
 def test_the_adapter_follows_the_task_from_the_first_upload(page, server):
