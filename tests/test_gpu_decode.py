@@ -21,7 +21,7 @@ from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration  # noqa: E
 from paligemma_lib.quantize import quantize_int8  # noqa: E402
 
 # kernels of a compiled decoding step on an H200 (torch 2.11), from
-# benchmarks/results/int8-profile-h200-20261126-0527.json and its run's log
+# paligemma_lib/assets/records/int8-profile-h200-20261126-0527.json and its run's log
 H200_KERNELS = {
     "nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT": "products",
     "nvjet_sm90_tst_64x8_64x16_2x1_v_bz_splitK_TNT": "products",
