@@ -713,7 +713,7 @@ add_world("naming", _naming_example, ("name",), NAMING_OFFSET)
 add_world("pen", _pen_example, ("ocr",), PEN_OFFSET)
 
 # %% ../book/12c_real_images.ipynb #rc11
-# (how it is written, the number, its height in pixels)
+# (how it is written, the number, its size in px: the font's, a digit's height)
 PROBE = tuple(
     (kind, text, size)
     for kind, sizes in (("font", (96, 64, 72, 120, 48, 100)),
