@@ -339,3 +339,16 @@ def test_ingest_records_the_recipe(tmp_path):
         assert record["trained"]["recipe"] == recipe
         (saved,) = records.iterdir()
         assert json.loads(saved.read_text())["trained"]["recipe"] == recipe
+
+
+def test_a_recipe_needs_its_steps_on_the_gpu(monkeypatch, tmp_path):
+    "Calibrated steps would differ by recipe: a GPU call must name them"
+    monkeypatch.setenv("GPU_REAL_RECIPE", "pen")
+    monkeypatch.delenv("GPU_REAL_STEPS", raising=False)
+
+    class Run:
+        rehearse, out = False, tmp_path
+
+    result = gpu_real.real(Run(), budget=100)
+    assert result["recipe"] == "pen" and "GPU_REAL_STEPS" in result["error"]
+    assert list(tmp_path.iterdir()) == []  # nothing done

@@ -134,6 +134,10 @@ def real(run, budget: float) -> dict:
     from gpu_driver import Driver
 
     chosen, flags = recipe()  # an unknown recipe stops here, before any work
+    if chosen != "base" and not run.rehearse and not os.environ.get("GPU_REAL_STEPS"):
+        return {"recipe": chosen, "error": f"recipe {chosen} without GPU_REAL_STEPS: "
+                "recipes are compared at the same examples, so set the steps "
+                "(7500: the shipped nano-real's)"}  # fmt: skip
     work = Path(tempfile.mkdtemp()) / "real"
     begin = time.time()
     packed = PACKED
