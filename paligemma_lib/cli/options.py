@@ -148,8 +148,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# segments: chapter 12.1; clothing, handwriting: 12.2 (real pictures)
-WORLDS = ("shapes", "ocr", "receipts", "segments", "clothing", "handwriting")
+# segments: chapter 12.1; clothing, handwriting, naming, pen: 12.2 (real pictures)
+WORLDS = ("shapes", "ocr", "receipts", "segments", "clothing", "handwriting",
+          "naming", "pen")  # fmt: skip
 
 
 DEVICE_HELP = "'auto' (the GPU when there is one), 'cpu', 'cuda', 'cuda:1', ..."
@@ -181,7 +182,7 @@ def parse_worlds(text: str) -> dict:
 def import_data():
     "The synthetic worlds (chapter 11), imported only by the commands that need them"
     try:
-        # segmentation adds "segments", real_images "clothing", "handwriting"
+        # segmentation adds "segments", real_images "clothing", "handwriting", ...
         from .. import data, real_images, segmentation  # noqa: F401
     except ModuleNotFoundError as e:
         ours = ("data", "segmentation", "real_images")
