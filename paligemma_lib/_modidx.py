@@ -1021,6 +1021,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                              'paligemma_lib/trainable_tokens.py')},
             'paligemma_lib.training_run': { 'paligemma_lib.training_run.TrainingRun': ( 'training.html#trainingrun',
                                                                                         'paligemma_lib/training_run.py'),
+                                            'paligemma_lib.training_run._go_on_from': ( 'training.html#_go_on_from',
+                                                                                        'paligemma_lib/training_run.py'),
                                             'paligemma_lib.training_run._with_token_rows': ( 'training.html#_with_token_rows',
                                                                                              'paligemma_lib/training_run.py'),
                                             'paligemma_lib.training_run.device_description': ( 'training.html#device_description',

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from .adapters import save_adapter
+from .adapters import load_adapter, save_adapter
 from .config import PaliGemmaConfig, TextConfig, VisionConfig
 from .data import Collator
 from .evaluation import make_evaluator
@@ -26,7 +26,10 @@ from .processing import PaliGemmaProcessor
 from .sharding import gathered_model
 from .tokenization import GemmaTokenizer, default_tokenizer_path
 from .train import TrainConfig, autocast_dtype, train, world
-from .trainable_tokens import token_group_ids
+from paligemma_lib.trainable_tokens import (
+    add_trainable_tokens,
+    token_group_ids,
+)
 from .weights import load_pretrained, save_pretrained
 from torch.utils.data import Dataset
 
@@ -109,6 +112,7 @@ class TrainingRun:
     model: str | Path | None = None  # ...this checkpoint folder (or "nano")
     dtype: str | None = None  # the checkpoint's weights (default: float32)
     lora: LoraConfig | None = None  # with `model`: train only this adapter
+    adapter: str | Path | None = None  # with `lora`: start from this saved one
     # with `lora`: token groups whose rows train too ("seg", "loc", "seg,loc")
     lora_tokens: str | None = None
     resume: bool = False  # go on from the newest checkpoint in `out`
@@ -126,7 +130,9 @@ def training_model(run: TrainingRun):
     if run.model is not None:
         processor = PaliGemmaProcessor.from_pretrained(run.model)
         model = load_pretrained(run.model, dtype=run.dtype or "float32")
-        if run.lora is not None:
+        if run.adapter is not None:  # go on training a saved adapter
+            _go_on_from(model, run, processor.tokenizer)
+        elif run.lora is not None:
             add_lora(model, _with_token_rows(run, processor.tokenizer))
         return processor, model
     tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
@@ -153,6 +159,33 @@ def device_description(device: torch.device) -> str:
         return f"cuda: {torch.cuda.get_device_name(device)}"
     machine = platform.processor() or platform.machine()
     return f"cpu: {machine}, {os.cpu_count()} cores"
+
+# %% ../book/11b_training.ipynb #d64e017c
+def _go_on_from(model, run: TrainingRun, tokenizer) -> None:
+    """run.adapter loaded into model to train on, once checked to be the
+    adapter run.lora describes; run.lora_tokens' rows train too (rows the
+    adapter did not train start where the model has them)"""
+    load_adapter(model, run.adapter)
+    saved, wanted = model.lora_config, run.lora
+    shape = (saved.r, float(saved.alpha), saved.target_modules)
+    if wanted is None or shape != (
+        wanted.r, float(wanted.alpha), wanted.target_modules
+    ):  # fmt: skip
+        raise ValueError(
+            f"the adapter {run.adapter} has r={saved.r}, alpha={saved.alpha}, "
+            f"targets {saved.target_modules!r}; go on from it with the same "
+            f"settings, not {wanted}"
+        )
+    ids = _with_token_rows(run, tokenizer).trainable_token_indices
+    if saved.trainable_token_indices is not None and ids is not None:
+        if sorted(ids) != sorted(saved.trainable_token_indices):
+            raise ValueError(
+                f"the adapter {run.adapter} trains other token rows than "
+                f"--lora-tokens {run.lora_tokens}"
+            )
+    elif ids is not None:  # new rows beside the loaded adapter
+        add_trainable_tokens(model, ids, saved.dtype)
+        model.lora_config = replace(saved, trainable_token_indices=ids)
 
 # %% ../book/11b_training.ipynb #c34ee3e3
 def run_training(run: TrainingRun, on_start=None) -> dict:
@@ -207,6 +240,7 @@ def run_training(run: TrainingRun, on_start=None) -> dict:
             "r": lora.r,
             "alpha": lora.alpha,
             "target_modules": lora.target_modules,
+            "from adapter": run.adapter and str(run.adapter),
             # which rows of the token table trained too: group -> how many
             "trainable_tokens": run.lora_tokens
             and {

@@ -224,9 +224,11 @@ def test_the_speed_page_takes_each_part_from_its_newest_run(tmp_path, monkeypatc
 
 def test_the_segment_part_trains_the_recipe_chapter_12_1_chose():
     "12.1's comparison chose LoRA with the <seg> rows; the GPU trains it beside LoRA"
-    runs = gpu_run.SEGMENT_RUNS
+    runs = gpu_run.segment_runs({})
     assert set(runs) == {"lora", "rows"}
-    assert runs["rows"] == [*runs["lora"], "--lora-tokens", "seg"]
+    start = ["--from-adapter", "segment"]  # each call goes on from the shipped one
+    assert runs["lora"] == [*gpu_run.SEGMENT_LORA, *start]
+    assert runs["rows"] == [*gpu_run.SEGMENT_LORA, "--lora-tokens", "seg", *start]
     record = json.loads(
         (ROOT / "paligemma_lib/assets/segment_recipes.json").read_text()
     )
@@ -235,6 +237,27 @@ def test_the_segment_part_trains_the_recipe_chapter_12_1_chose():
                                 "lr": 2e-3}  # fmt: skip
     flags = runs["rows"]
     assert float(flags[flags.index("--lr") + 1]) == chosen["recipe"]["lr"]
+
+
+def test_the_segment_part_runs_the_recipes_asked_for_from_the_adapter_asked_for():
+    env = {"GPU_SEGMENT_RUNS": "lora,loc", "GPU_SEGMENT_FROM": "none"}
+    runs = gpu_run.segment_runs(env)
+    loc = [*gpu_run.SEGMENT_LORA, "--lora-tokens", "seg,loc"]
+    assert runs == {"lora": gpu_run.SEGMENT_LORA, "loc": loc}
+    with pytest.raises(ValueError, match="choose among lora, rows, loc, low"):
+        gpu_run.segment_runs({"GPU_SEGMENT_RUNS": "lora,boxes"})
+
+
+def test_the_shipped_segment_adapter_has_the_shape_the_part_trains():
+    "--from-adapter segment with SEGMENT_LORA's flags: the same r, alpha, targets"
+    from paligemma_lib.adapters import check_adapter
+
+    _, saved = check_adapter("segment")
+    flags = gpu_run.SEGMENT_LORA
+    assert saved.r == int(flags[flags.index("--lora-r") + 1])
+    assert saved.alpha == float(flags[flags.index("--lora-alpha") + 1])
+    assert saved.target_modules == "all-linear"
+    assert flags[flags.index("--lora-targets") + 1] == "all"  # all-linear's shorthand
 
 
 # --- the part `profile` (issue 49 section 2) ---

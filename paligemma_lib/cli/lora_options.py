@@ -55,6 +55,14 @@ def add_lora_arguments(parser) -> None:
         "tied LM head; PEFT's trainable_token_indices): 'seg' (the 128 <seg> "
         "pieces), 'loc' (the 1,024 <loc> pieces) or 'seg,loc'. Default: none",
     )
+    parser.add_argument(
+        "--from-adapter",
+        default=None,
+        metavar="NAME|DIR",
+        help="with --lora: start from this saved adapter (a folder, or a shipped "
+        "one: receipts, segment) and train it further; --lora-r, --lora-alpha and "
+        "--lora-targets default to its own; --lora-tokens adds rows it did not train",
+    )
 
 
 def lora_settings(args):
@@ -62,7 +70,7 @@ def lora_settings(args):
     without --lora, which they and --lora-tokens must then not be given with); the
     --lora-tokens groups are checked here, their ids found in the model's tokenizer
     when it loads"""
-    flags = [*LORA_DEFAULTS, "lora_tokens"]
+    flags = [*LORA_DEFAULTS, "lora_tokens", "from_adapter"]
     given = [name for name in flags if getattr(args, name) is not None]
     if not args.lora:
         if given:
@@ -84,10 +92,21 @@ def lora_settings(args):
                 f"--lora-tokens {args.lora_tokens}: choose 'seg', 'loc' or 'seg,loc' "
                 "(the <seg> or <loc> pieces' rows)"
             )
+    saved = None
+    if args.from_adapter is not None:  # its own settings, unless given
+        from ..adapters import check_adapter
+        from .adapter_checks import adapter_folder
+
+        _, saved = check_adapter(adapter_folder(args.from_adapter, "--from-adapter"))
+        for name, value in [("lora_r", saved.r), ("lora_alpha", saved.alpha)]:
+            if getattr(args, name) is None:
+                setattr(args, name, value)
     for name, value in LORA_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     targets = LORA_TARGETS.get(args.lora_targets)
+    if saved is not None and "lora_targets" not in given:
+        targets = saved.target_modules  # the saved adapter's, as it wrote them
     if targets is None:
         targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
     return LoraConfig(r=args.lora_r, alpha=args.lora_alpha, target_modules=targets)

@@ -12,6 +12,7 @@ import torch
 
 from ..devices import gpu_branch
 from ..weights import DTYPES, resolve_device
+from .adapter_checks import check_adapter_base
 from .interrupt import ON_INTERRUPT
 from .lora_options import add_lora_arguments, lora_settings
 from .options import (
@@ -179,6 +180,8 @@ def train_command(args: argparse.Namespace, argv) -> int:
     check_device(args.device)
     if args.model is not None:
         check_model(args.model)
+        if args.from_adapter is not None:
+            check_adapter_base(args.model, args.from_adapter, "--from-adapter")
     if args.data is None:
         check_split_size("--train-size", args.train_size, "train")
         check_split_size("--eval-size", args.eval_size, "validation")
@@ -218,6 +221,7 @@ def train_command(args: argparse.Namespace, argv) -> int:
         model=args.model,
         dtype=args.dtype,
         lora=lora,
+        adapter=args.from_adapter,
         lora_tokens=args.lora_tokens,
         resume=args.resume,
         device=device,
