@@ -11,8 +11,9 @@ chapter 11.4's detail world (typed text and shapes too small for 224) mixed with
 chapter 11's shapes and text. Beside it, side by side, the same training of nano at
 224, the same steps over the same examples: the control, which tells what training
 on the world buys from what the resolution buys. The steps are calibrated to the
-budget on both runs together; if that leaves fewer than MIN_STEPS, the control is
-dropped and the 448 run calibrated alone. The models come back in one tar, in
+budget on both runs together (or GPU_STAGE2_STEPS=N, a count an earlier call's rate
+fits, saves the probe); if that leaves fewer than MIN_STEPS, the control is dropped
+and the 448 run calibrated alone. The models come back in one tar, in
 pieces under 16 MiB (the return trip's limit a file).
 
 `--ingest` grades them here (`grade`: the detail world's text by character error
@@ -84,7 +85,11 @@ def stage2(run, budget: float) -> dict:
     driver.begin = begin
     reserve = 20 if run.rehearse else 30  # packing the models
     probe, floor = (3, 2) if run.rehearse else (30, 100)
-    steps = driver.calibrate(runs, budget, reserve, probe, floor, eval_size=2)
+    steps = os.environ.get("GPU_STAGE2_STEPS")  # a rate an earlier call measured
+    if steps is None or run.rehearse:
+        steps = driver.calibrate(runs, budget, reserve, probe, floor, eval_size=2)
+    else:
+        steps = int(steps)
     if steps is not None and steps < MIN_STEPS and not run.rehearse:
         run.say(f"stage2: {steps} steps with the control; the 448 run alone")
         del runs[str(CONTROL)]
