@@ -5,6 +5,7 @@ on planted cases and a copy of the ledger; nothing under paligemma_lib/assets is
 written."""
 
 import functools
+import hashlib
 import io
 import json
 import random
@@ -67,6 +68,25 @@ def test_an_example_is_the_same_every_time_and_a_task_can_be_asked():
     for task in detail.DETAIL_TASKS:
         asked = SyntheticDataset("detail", "test", size=8, task=task)
         assert {asked.example(i).task for i in range(8)} == {task}
+
+
+# The SHA-256 of the raw pixels of two lines of text and a scene of shapes, computed
+# with Pillow 12.3.0 and FreeType 2.14.3 (Python 3.11), as tests/test_data.py pins
+# chapter 11's: an upgrade may change the text's edges; then look, and update them.
+PIXELS = {
+    0: "3a5918245401db97e1b00971f402dcabce045de34548b54c7b45044eaae11cb9",
+    2: "4e5ecca2910e36473efdd6d03b48022f63f75233f8abb2d9823327e7f01ef6c9",
+    10**9 + 10**4: "435988541394c9b75e953d1c513dfebc6a158c886ddc82388f242964b592ee9a",
+}
+
+
+def test_the_detail_worlds_pixels_are_pinned():
+    from paligemma_lib.data import make_example
+
+    for seed, expected in PIXELS.items():
+        pixels = make_example("detail", seed).image.tobytes()
+        assert hashlib.sha256(pixels).hexdigest() == expected, seed
+    assert make_example("detail", 2).task == "count"
 
 
 def test_the_detail_world_has_seeds_of_its_own():
