@@ -143,7 +143,7 @@ def unpack_models(first_piece: Path, into: Path) -> dict:
 # what a grade asks, by world and task: the detail world's text and counts, and
 # chapter 11's skills as chapter 12.2 keeps them (shapes: one scene a task)
 ASKED = {"detail": ("ocr", "count"), "shapes": ("caption", "detect"), "ocr": ("ocr",)}
-MAX_NEW_TOKENS = 64  # the longest answer asked, two boxes of shapes: about 20
+MAX_NEW_TOKENS = 64  # the longest answer asked, 3 boxes of one kind: about 20
 
 
 def ask(model, processor, world: str, task: str, split: str, start: int, n: int):
