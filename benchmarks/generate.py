@@ -28,9 +28,9 @@ In the runs quoted below, made while the choice was the default, the rows "ours"
 machine (2 CPU cores, torch 2.13.0, transformers 5.23.0, float32), 2026-11-23,
 `--batches 1 8 --repeats 3 --ways ours "ours, all threads" "ours compiled" transformers
 "transformers static compiled"`; tokens/s, and against transformers eager. Quiet (load
-average 0.5 before the run; benchmarks/results/cpu-mid-20261123-1925.json) and with one
-other process (`--busy 1`: a Python loop on one of the two cores;
-benchmarks/results/cpu-mid-busy1-20261123-1926.json):
+average 0.5 before the run; paligemma_lib/assets/records/cpu-mid-20261123-1925.json)
+and with one other process (`--busy 1`: a Python loop on one of the two cores;
+paligemma_lib/assets/records/cpu-mid-busy1-20261123-1926.json):
 
     mid config                     batch  quiet tok/s  vs eager   busy tok/s  vs eager
     ours                              1       106.9      1.06x        71.0      2.05x

@@ -467,6 +467,7 @@ def examples_for(model_folder, receipts: bool = True) -> dict:
 PAGE_TASKS = {
     "caption": "caption",
     "count": "question",
+    "name": "question",  # 12.2's naming world: what is the item on the left?
     "colour": "question",
     "detect": "detect",
     "ocr": "ocr",

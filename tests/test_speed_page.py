@@ -27,22 +27,22 @@ def test_every_record_the_page_reads_names_its_machine():
         speed_page.DATA_PIPELINE,
     ):
         # each record is cited beside its machine, date and command
-        line = next(x for x in page.splitlines() if f"results/{name}`" in x)
+        line = next(x for x in page.splitlines() if f"{speed_page.place(name)}`" in x)
         assert "*Machine:*" in line and "*Date:*" in line and "*Command:*" in line
 
 
 def test_the_published_records_were_not_taken_on_a_loaded_machine():
     "Only --busy runs carry load, and it is their experiment, said beside them"
     for name in (speed_page.CPU_QUIET, speed_page.INT8_FP32, speed_page.INT8_BF16):
-        assert json.loads((speed_page.RESULTS / name).read_text())["busy_loops"] == 0
-    busy = json.loads((speed_page.RESULTS / speed_page.CPU_BUSY).read_text())
+        assert speed_page.record(name)["busy_loops"] == 0
+    busy = speed_page.record(speed_page.CPU_BUSY)
     assert busy["busy_loops"] == 1 and "the load is the experiment" in (
         " ".join(speed_page.PAGE.read_text().split())
     )
 
 
 def test_the_readme_speed_sentence_is_the_record():
-    parts = json.loads((speed_page.RESULTS / speed_page.GPU_DECODE).read_text())
+    parts = speed_page.record(speed_page.GPU_DECODE)
     ours = parts["sections"]["decode ours compiled, batch 1"]["ms_per_step"]
     best = parts["sections"]["decode transformers static compiled, batch 1"]
     readme = " ".join((ROOT / "README.md").read_text().split())
@@ -58,7 +58,7 @@ def test_the_int8_figures_say_at_which_widths_they_hold():
     section = page[page.index("## int8 weights on a CPU") :]
     section = section[: section.index("## ", 3)]
     for name in (speed_page.INT8_FP32, speed_page.INT8_BF16):
-        rows = json.loads((speed_page.RESULTS / name).read_text())["rows"]
+        rows = speed_page.record(name)["rows"]
         assert {row["config"] for row in rows} == {speed_page.MID}
     assert speed_page.MID in section and "the decoder 512 wide" in section
     assert "at PaliGemma's (2048 wide, MLP 16,384) they are unmeasured" in section
@@ -81,3 +81,34 @@ def test_the_chart_is_drawn_the_same_twice(tmp_path):
     speed_page.draw_decoding_chart(first)
     speed_page.draw_decoding_chart(second)
     assert first.read_bytes() == second.read_bytes()
+
+
+def test_the_decode_profile_section_reads_the_newest_record(tmp_path):
+    "Issue 50: the GPU part `decode`, once ingested, is a section and a figure"
+    import gpu_decode
+
+    assert speed_page.decode_profile(tmp_path) == ""  # no record: no section
+    times = {c: [100.0] for c in gpu_decode.CLASSES}  # µs, one step
+    nbytes = dict.fromkeys(gpu_decode.CLASSES, 10**8)
+    row = {"generate ms a step": 1.5, "replayed ms a step": 1.0,
+           "host ms a step": 0.5, "tokens equal eager": True,
+           "classes": gpu_decode.class_table(times, nbytes, steps=1)}  # fmt: skip
+    row = gpu_decode.with_limits(row, bandwidth=1e12)
+    rows = {"bf16, batch 1, as shipped": row, "int8, batch 1, as shipped": row,
+            "bf16, batch 8, as shipped": {"skipped": "out of time"}}  # fmt: skip
+    for stamp, device in [("20261201-0900", "old"), ("20261202-0900", "H100")]:
+        record = {"device": device, "torch": "2.11", "bandwidth": 1e12, "rows": rows}
+        name = f"decode-profile-x-{stamp}.json"
+        (tmp_path / name).write_text(json.dumps(record))
+    text = speed_page.decode_profile(tmp_path)
+    assert "*Machine:* H100, PyTorch 2.11" in text  # the newest
+    # 6 classes x 0.1 ms; 0.6 GB at 1 TB/s; the step 1.5 ms
+    assert (
+        "| bf16, batch 1, as shipped | 1.50 | 1.00 | 0.60 | 0.40 | 0.50 | 0.60 | 40% |"
+        in text
+    )
+    assert "| bf16, batch 8, as shipped | - | - | - | - | - | - | out of time |" in text
+    assert text.count("| LM head | 0.100 | 1 | 0.100 | 0.100 | 100% |") == 2
+    chart = tmp_path / "profile.png"
+    speed_page.draw_decode_profile(record, chart)
+    assert chart.stat().st_size > 1000

@@ -37,6 +37,7 @@ from paligemma_lib.evaluation import compute_metrics, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+RECORDS = ROOT / "paligemma_lib" / "assets" / "records"  # those a chapter quotes
 SCORED = ("nano", "receipts")  # the folders of paligemma_lib/assets/ scored here
 FRESH_START = 5000  # the first test index no evaluation had used (see above)
 SHAPES_TASKS = ("caption", "count", "colour", "detect")
@@ -95,10 +96,15 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
-def check_seeds_unused(first: int, last: int, files: dict, results=RESULTS) -> None:
-    """Refuse test indices first..last when a record in `results` reported any of
-    them for other files (or for files it did not name): a reported seed is spent"""
-    for record_path in sorted(Path(results).glob("fresh-test-*.json")):
+def check_seeds_unused(
+    first: int, last: int, files: dict, results=(RESULTS, RECORDS)
+) -> None:
+    """Refuse test indices first..last when a record in `results` (a folder or
+    several) reported any of them for other files (or for files it did not name):
+    a reported seed is spent"""
+    folders = [results] if isinstance(results, (str, Path)) else results
+    found = [p for folder in folders for p in Path(folder).glob("fresh-test-*.json")]
+    for record_path in sorted(found):
         record = json.loads(record_path.read_text())
         done_first, done_last = record["test indices"]
         if last < done_first or first > done_last:

@@ -13,11 +13,17 @@ writes the pictures' decompressed bytes xz-compressed (27 MB where the .gz files
 (the same bytes, checked by its sha256s) in a temporary folder.
 
 The run: nano, every weight, on the clothing and handwriting worlds with chapter 11's
-worlds mixed in, steps calibrated to the budget. The model comes back as a tar in
-pieces under 16 MiB (the return trip's limit a file). `--ingest` compares it with the
-shipped nano-real on the same validation examples and ships it only by
-tools/ship_rules.py's rule; then it is graded once on fresh test examples
-(tools/gpu_ingest.py).
+worlds mixed in, steps calibrated to the budget. `GPU_REAL_RECIPE` picks another mix of
+RECIPES (chapter 12.2's naming and pen worlds); give each the same `GPU_REAL_STEPS` to
+compare them at the same number of examples:
+
+    export GPU_REAL_RECIPE=pen GPU_REAL_STEPS=7500  # 7,500 steps: the shipped model's
+    python3 tools/gpu_run.py --out DIR --only real
+
+The model comes back as a tar in pieces under 16 MiB (the return trip's limit a file),
+its recipe in its training_record.json. `--ingest` compares it with the shipped
+nano-real on the same validation examples and ships it only by tools/ship_rules.py's
+rule; then it is graded once on fresh test examples (tools/gpu_ingest.py).
 """
 
 import gzip
@@ -43,6 +49,34 @@ REAL_RUN = [
     "--worlds", "clothing=0.4,handwriting=0.25,shapes=0.15,ocr=0.2",
     "--train-size", "5000000",
 ]  # fmt: skip
+# the recipes a call may train instead (issue 49 §3, chapter 12.2's "Recipes for the
+# next run"): REAL_RUN with only the mix changed, chapter 11's 35% kept in each.
+# GPU_REAL_RECIPE=name picks one; with GPU_REAL_STEPS=7500 (the shipped nano-real's
+# steps of 128) every recipe sees the same 960,000 examples, and --ingest compares it
+# with the shipped model on the same validation examples
+MIXES = {
+    "base": "clothing=0.4,handwriting=0.25,shapes=0.15,ocr=0.2",
+    "name": "clothing=0.25,naming=0.15,handwriting=0.25,shapes=0.15,ocr=0.2",
+    "pen": "clothing=0.4,handwriting=0.15,pen=0.1,shapes=0.15,ocr=0.2",
+    "name+pen": "clothing=0.25,naming=0.15,handwriting=0.15,pen=0.1,shapes=0.15,"
+    "ocr=0.2",
+}
+RECIPES = {
+    name: [mix if flag == MIXES["base"] else flag for flag in REAL_RUN]
+    for name, mix in MIXES.items()
+}
+
+
+def recipe(name: str | None = None) -> tuple[str, list[str]]:
+    "The recipe `name` ($GPU_REAL_RECIPE, else base) -> (its name, its flags)"
+    name = name or os.environ.get("GPU_REAL_RECIPE") or "base"
+    if name not in RECIPES:
+        raise ValueError(
+            f"GPU_REAL_RECIPE={name}: no such recipe; the recipes: {', '.join(RECIPES)}"
+        )
+    return name, list(RECIPES[name])
+
+
 PIECE = 15 * 2**20  # the return trip takes files of at most 16 MiB
 MODEL_FILES = ("config.json", "model.safetensors", "preprocessor_config.json",
                "tokenizer.model", "tokenizer_config.json",
@@ -99,6 +133,11 @@ def real(run, budget: float) -> dict:
     "The part: unpack the pictures, calibrate, train, send the model back"
     from gpu_driver import Driver
 
+    chosen, flags = recipe()  # an unknown recipe stops here, before any work
+    if chosen != "base" and not run.rehearse and not os.environ.get("GPU_REAL_STEPS"):
+        return {"recipe": chosen, "error": f"recipe {chosen} without GPU_REAL_STEPS: "
+                "recipes are compared at the same examples, so set the steps "
+                "(7500: the shipped nano-real's)"}  # fmt: skip
     work = Path(tempfile.mkdtemp()) / "real"
     begin = time.time()
     packed = PACKED
@@ -108,7 +147,7 @@ def real(run, budget: float) -> dict:
     run.say(f"real: pictures unpacked in {time.time() - begin:.0f} s")
     size = 2 if run.rehearse else 128
     workers = 1 if run.rehearse else max(1, os.cpu_count() - 1)
-    base = [*REAL_RUN, "--workers", str(workers)]
+    base = [*flags, "--workers", str(workers)]
     # GPU_REAL_FROM=nano-real: go on from the shipped model (a new schedule), for
     # more steps than one call's ten minutes hold
     base[base.index("--model") + 1] = os.environ.get("GPU_REAL_FROM", "nano")
@@ -129,12 +168,14 @@ def real(run, budget: float) -> dict:
     left = budget - (time.time() - begin) - reserve
     final = ["--eval-every", "0", "--eval-size", "8"]
     finished = driver.run_all(runs, steps, final, timeout=left)
-    result = {"steps": steps, "batch_size": size, "workers": workers,
+    result = {"recipe": chosen, "steps": steps, "batch_size": size, "workers": workers,
               "finished": finished, "flags": base}  # fmt: skip
     if not finished:
         return result | {"error": "the training did not finish in its budget"}
     folder = work / "real"
     record = json.loads((folder / "training_record.json").read_text())
+    record["recipe"] = chosen  # travels with the model; --ingest records it
+    (folder / "training_record.json").write_text(json.dumps(record, indent=1) + "\n")
     result |= {
         "seconds": record["seconds"],
         "examples_per_s": round(steps * size / record["seconds"], 1),
@@ -148,7 +189,9 @@ def real(run, budget: float) -> dict:
         for name in MODEL_FILES:
             archive.add(folder / name, arcname=name)
     result["pieces"] = split_file(tar, run.out / "real-model.tar")
-    run.say(f"real: {steps} steps, {result['examples_per_s']} examples/s")
+    run.say(
+        f"real: recipe {chosen}, {steps} steps, {result['examples_per_s']} examples/s"
+    )
     return result
 
 

@@ -33,10 +33,12 @@ to DIR as soon as it has results, so that a run cut short returns what it did:
 4. speed: benchmarks/gpu.py --short at PaliGemma-3B's shapes (random bf16 weights).
 
 Three parts run only when asked for (--only): `real`, nano-real's training (a call of
-its own, tools/gpu_real.py), `stage2`, nano's stage 2 at 448 beside a control at 224
-(a call of its own, tools/gpu_stage2.py), and `profile`, where a training step of both
-recipes goes (tools/gpu_profile.py). A whole call, the wheels' install included, ends
-within CALL.
+its own, tools/gpu_real.py); `stage2`, nano's stage 2 at 448 beside a control at 224
+(a call of its own, tools/gpu_stage2.py); `profile`, where a training step of both
+recipes goes (tools/gpu_profile.py); and `decode`, where a compiled decoding step of
+PaliGemma-3B's shapes goes, kernel class by kernel class against the bandwidth, with the
+candidate fixes side by side (tools/gpu_decode.py; its table goes into run.json, no file
+of its own). A whole call, the wheels' install included, ends within CALL.
 
 DIR receives at most 8 files: those of the parts the call runs (`PART_FILES`) and
 `COMMON_FILES`. --ingest DIR (on this machine) puts them where
@@ -66,30 +68,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
+import gpu_decode  # noqa: E402
 import gpu_ingest  # noqa: E402
 import gpu_profile  # noqa: E402
 import gpu_real  # noqa: E402
 import gpu_stage2  # noqa: E402
 
-PARTS = ("branches", "t4", "segment", "speed", "real", "profile", "stage2")
+PARTS = ("branches", "t4", "segment", "speed", "real", "profile", "decode", "stage2")
 # what a plain run does; `real` (nano-real's training, issue 41) and `stage2` (nano's
 # stage 2, issue 52) take a call alone, `profile` (where a training step goes, issue
-# 49) a call or the rest of one
+# 49) and `decode` (where a decoding step goes, issue 50) a call or the rest of one
 DEFAULT_PARTS = ("branches", "t4", "segment", "speed")
 BUDGETS = {"branches": 180, "t4": 90, "segment": 180, "speed": 60,  # 510 s
-           "real": 500, "profile": 150, "stage2": 500}  # fmt: skip
+           "real": 500, "profile": 150, "decode": 300, "stage2": 500}  # fmt: skip
 INSTALL = 30  # the wheels' install (about 10 s), inside the call's 9 minutes
 CALL = 9 * 60  # a whole call: the install and every part end within it
 # the CPU rehearsal: the same steps, tiny
 REHEARSAL_BUDGETS = {"branches": 240, "t4": 150, "segment": 200, "speed": 40,
-                     "real": 150, "profile": 150, "stage2": 240}  # fmt: skip
+                     "real": 150, "profile": 150, "decode": 120,
+                     "stage2": 240}  # fmt: skip
 REHEARSAL_CALL = 30 * 60
 RETURNED = 8  # the most files a call brings back
 COMMON_FILES = ("run.json", "log.txt")  # every call's
 PART_FILES = {  # what each part may write into DIR
     "branches": ("book.json",), "t4": (), "segment": ("segment-adapter.tar",),
     "speed": ("speed.json",), "real": ("real-model.tar.0", "real-model.tar.1"),
-    "profile": ("profile.json",),
+    "profile": ("profile.json",), "decode": (),
     "stage2": tuple(f"{gpu_stage2.TAR}.{i}" for i in range(gpu_stage2.PIECES)),
 }  # fmt: skip
 FILES = COMMON_FILES + tuple(name for files in PART_FILES.values() for name in files)
@@ -532,9 +536,29 @@ def speed(run: Run, budget: float) -> dict:
     }
 
 
+# --- part 7: decode ---
+
+
+def decode(run: Run, budget: float) -> dict:
+    """tools/gpu_decode.py in a child, ended at the budget; its rows (written after
+    each) go into run.json, the whole table under `table`"""
+    folder = Path(tempfile.mkdtemp())
+    flags = ["--rehearse"] if run.rehearse else []
+    status = run.command(
+        [sys.executable, "tools/gpu_decode.py", "--out", folder,
+         "--budget", budget - 15, *flags],
+        timeout=budget,
+    )  # fmt: skip
+    found = folder / "decode.json"
+    table = json.loads(found.read_text()) if found.exists() else {}
+    if not table.get("rows"):
+        raise RuntimeError(f"gpu_decode.py measured no row: {status}")
+    return status | {"rows": gpu_decode.summary(table), "table": table}
+
+
 PART_FUNCTIONS = {"branches": branches, "t4": t4, "segment": segment, "speed": speed,
                   "real": gpu_real.real, "profile": gpu_profile.profile,
-                  "stage2": gpu_stage2.stage2}  # fmt: skip
+                  "decode": decode, "stage2": gpu_stage2.stage2}  # fmt: skip
 
 
 ALONE = ("real", "stage2")  # parts that take a call of their own
@@ -645,6 +669,11 @@ def ingest(folder: Path) -> int:
         if (folder / name).exists():
             shutil.copyfile(folder / name, results / target)
             print(f"{name} -> benchmarks/results/{target}")
+    table = record["parts"].get("decode", {}).get("table")
+    if table:  # the decode part's table: a file of its own here
+        target = f"decode-profile-{device.strip('-')}-{part_stamp('decode')}.json"
+        (results / target).write_text(json.dumps(table, indent=1) + "\n")
+        print(f"decode part -> benchmarks/results/{target}")
     t4_record = record["parts"].get("t4", {}).get("receipts recipe")
     if t4_record and "metrics" in t4_record:
         set_chapter_bars(t4_record, f"benchmarks/results/{copies['run.json']}")

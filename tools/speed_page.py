@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bandwidth import nominal_bandwidth  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
+# the records a chapter quotes ship with the package, so its asserts always run
+RECORDS = ROOT / "paligemma_lib" / "assets" / "records"
 PAGE = ROOT / "book" / "a2_speed_and_memory.md"
 CHART = ROOT / "book" / "figures" / "a2_decoding.png"
 
@@ -70,8 +72,21 @@ GPU_COMMAND = "python benchmarks/gpu.py --out benchmarks/results"
 GIB = 2**30
 
 
+def folder_of(name: str) -> Path:
+    "benchmarks/results/, or the package's records for those a chapter quotes"
+    return RECORDS if (RECORDS / name).is_file() else RESULTS
+
+
+def place(name: str) -> str:
+    "A record's path in the repository, as the page prints it"
+    path = folder_of(name) / name
+    if not path.is_relative_to(ROOT):  # RESULTS elsewhere (the tests' folders)
+        return f"benchmarks/results/{name}"
+    return str(path.relative_to(ROOT))
+
+
 def record(name: str | Path) -> dict:
-    path = name if isinstance(name, Path) else RESULTS / name
+    path = name if isinstance(name, Path) else folder_of(name) / name
     return json.loads(path.read_text())
 
 
@@ -85,7 +100,7 @@ def date_of(name: str) -> str:
 def source(name: str, machine: str, command: str) -> str:
     return (
         f"*Machine:* {machine}. *Date:* {date_of(name)}. "
-        f"*Record:* `benchmarks/results/{name}`. *Command:* `{command}`"
+        f"*Record:* `{place(name)}`. *Command:* `{command}`"
     )
 
 
@@ -362,7 +377,7 @@ def nano_training() -> str:
             f"The GPU run went about {gpu_rate / cpu_rate:.0f} times faster. "
             "*Records:* `paligemma_lib/assets/nano/training_record.json`, "
             "`paligemma_lib/assets/nano-real/training_record.json`, "
-            f"`benchmarks/results/{NANO_CPU}` and `benchmarks/results/{NANO_REAL_CPU}`."
+            f"`{place(NANO_CPU)}` and `{place(NANO_REAL_CPU)}`."
             " *Commands:*",
             shell(gpu["command"], cpu["command"], real["command"], hour["command"]),
         ]
@@ -562,7 +577,7 @@ def gpu_run() -> str:
     # each call's commit: tests/test_gpu_run.py checks with it that every part
     # comes from its own newest call
     when = "; ".join(f"{day} UTC (commit {commit})" for day, commit in calls)
-    names = ", ".join(f"`benchmarks/results/{name}`" for name in sorted(paths))
+    names = ", ".join(f"`{place(name)}`" for name in sorted(paths))
     sections = ["## The GPU script's newest run", (
         f"`tools/gpu_run.py` on {machine}, {env['cpus']} CPU cores, run on "
         f"{when}. *Records:* {names}."
@@ -633,7 +648,7 @@ def t4_lora_fresh() -> str:
         "gradient checkpointing, since fixed). Measured again in one process, "
         "each model collected before the next: float16 fits at a peak of "
         f"{peaks['float16']:.2f} GiB, float32 at {peaks['float32']:.2f} GiB "
-        f"(`benchmarks/results/{T4_LORA_FRESH}`, {fresh['device']})."
+        f"(`{place(T4_LORA_FRESH)}`, {fresh['device']})."
     )
 
 
@@ -670,6 +685,109 @@ def gpu_run_speed(parts: dict, env: dict) -> str:
     return "\n\n".join(lines)
 
 
+PROFILE_CHART = ROOT / "book" / "figures" / "a2_decode_profile.png"
+PROFILED = ("bf16, batch 1, as shipped", "int8, batch 1, as shipped")  # the figure's
+
+
+def decode_profiles(results: Path = RESULTS) -> list[Path]:
+    "tools/gpu_run.py's part `decode`, ingested: newest last"
+    return sorted(results.glob("decode-profile-*.json"), key=lambda p: date_of(p.name))
+
+
+def decode_profile(results: Path = RESULTS, chart: Path = PROFILE_CHART) -> str:
+    """Where a compiled decoding step goes (issue 50), from the newest record of the
+    GPU script's part `decode`: each row's step, and each kernel class's time beside
+    the time its bytes need at the bandwidth; '' before the first record"""
+    found = decode_profiles(results)
+    if not found:
+        return ""
+    profile = json.loads(found[-1].read_text())
+    rows, classes = [], []
+    for label, row in profile["rows"].items():
+        if "classes" not in row:
+            rows.append([label] + ["-"] * 6 + [row.get("skipped", "error")])
+            continue
+        rows.append([label] + [f"{row[k]:.2f}" for k in (
+            "generate ms a step", "replayed ms a step", "kernels ms a step",
+            "gaps ms a step", "host ms a step", "limit ms a step")]
+            + [f"{row['of limit']:.0%}" + ("" if row["tokens equal eager"]
+                                            else ", tokens differ")])  # fmt: skip
+        if label in PROFILED:
+            for name, c in row["classes"].items():
+                ratio = "-" if c["of limit"] is None else f"{c['of limit']:.0%}"
+                classes.append([label, name, f"{c['ms']:.3f}", f"{c['kernels']:g}",
+                                f"{c['bytes'] / 1e9:.3f}", f"{c['limit ms']:.3f}",
+                                ratio])  # fmt: skip
+    machine = f"{profile['device']}, PyTorch {profile['torch']}"
+    bandwidth = profile["bandwidth"] / 1e12
+    return "\n\n".join(
+        [
+            "## Where a decoding step goes",
+            "`tools/gpu_run.py --only decode` at PaliGemma-3B's shapes (random weights): "
+            "`generate(compile=True)`'s step (64 tokens less 1, over 63), the compiled "
+            "step replayed with no host work between steps, its kernels' time (the "
+            "profiler's), the gaps between kernels, the host's work between steps, and "
+            f"the time the step's bytes need at {bandwidth:.2f} TB/s. Candidate fixes: "
+            "`tuned` (Inductor's coordinate-descent tuning), `grouped` (attention without "
+            "`repeat_kv`), `math` (attention written out for Inductor to fuse).",
+            f"*Machine:* {machine}. *Record:* `{found[-1].relative_to(ROOT)}`"
+            if found[-1].is_relative_to(ROOT)
+            else f"*Machine:* {machine}.",
+            table(
+                [
+                    "row",
+                    "generate ms",
+                    "replayed ms",
+                    "kernels ms",
+                    "gaps ms",
+                    "host ms",
+                    "limit ms",
+                    "of limit",
+                ],
+                rows,
+            ),  # fmt: skip
+            f"```{{figure}} figures/{chart.name}\n:alt: Each kernel class's milliseconds "
+            "a step beside the time its bytes need at the bandwidth\n\nEach kernel "
+            "class's time a step (bars) beside the time its bytes need at the memory's "
+            "bandwidth (ticks), bf16 and int8 at batch 1.\n```",
+            table(
+                ["row", "class", "ms", "kernels", "GB", "limit ms", "of limit"], classes
+            ),  # fmt: skip
+        ]
+    )
+
+
+def draw_decode_profile(profile: dict, path: Path) -> None:
+    "Each class's ms (bar) and the ms its bytes need (tick), for PROFILED's rows"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [label for label in PROFILED if "classes" in profile["rows"].get(label, {})]
+    figure, axes = plt.subplots(1, max(1, len(shown)), figsize=(6.8, 3.2), dpi=100,
+                                sharey=True, squeeze=False)  # fmt: skip
+    for ax, label in zip(axes[0], shown):
+        classes = profile["rows"][label]["classes"]
+        names = list(classes)
+        ax.barh(range(len(names)), [c["ms"] for c in classes.values()],
+                color="#4C72B0", label="measured")  # fmt: skip
+        ax.scatter([c["limit ms"] for c in classes.values()], range(len(names)),
+                   marker="|", s=300, color="black",
+                   label="bytes at bandwidth")  # fmt: skip
+        ax.set_title(label, fontsize=9)
+        ax.set_yticks(range(len(names)), names, fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.spines[["top", "right"]].set_visible(False)
+    axes[0][0].invert_yaxis()
+    axes[0][0].legend(fontsize=7, frameon=False)
+    figure.supxlabel("ms a decoding step", fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, metadata={"Software": None})
+    plt.close(figure)
+
+
 def render() -> str:
     head = "\n\n".join(
         [
@@ -687,13 +805,14 @@ def render() -> str:
         gpu_lora(),
         gpu_int8(),
         gpu_run(),
+        decode_profile(),
         nano_training(),
         cpu_threads(),
         cpu_int8(),
         data_pipeline(),
         cpu_resolution(),
     ]
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join(part for part in parts if part) + "\n"
 
 
 def main() -> int:
@@ -711,6 +830,8 @@ def main() -> int:
         return 0
     PAGE.write_text(page)
     draw_decoding_chart()
+    for newest in decode_profiles()[-1:]:
+        draw_decode_profile(json.loads(newest.read_text()), PROFILE_CHART)
     print(f"wrote {PAGE.relative_to(ROOT)} and {CHART.relative_to(ROOT)}")
     return 0
 

@@ -148,11 +148,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# segments: chapter 12.1; clothing, handwriting: 12.2 (real pictures); detail:
-# 11.4 (small text and shapes, drawn at 448)
-WORLDS = (
-    "shapes", "ocr", "receipts", "segments", "clothing", "handwriting", "detail",
-)  # fmt: skip
+# segments: chapter 12.1; clothing, handwriting, naming, pen: 12.2 (real pictures);
+# detail: 11.4 (small text and shapes, drawn at 448)
+WORLDS = ("shapes", "ocr", "receipts", "segments", "clothing", "handwriting",
+          "naming", "pen", "detail")  # fmt: skip
 
 
 DEVICE_HELP = "'auto' (the GPU when there is one), 'cpu', 'cuda', 'cuda:1', ..."
@@ -184,7 +183,7 @@ def parse_worlds(text: str) -> dict:
 def import_data():
     "The synthetic worlds (chapter 11), imported only by the commands that need them"
     try:
-        # segmentation adds "segments", real_images "clothing", "handwriting",
+        # segmentation adds "segments", real_images "clothing", "handwriting", ...,
         # small_detail "detail"
         from .. import data, real_images, segmentation, small_detail  # noqa: F401
     except ModuleNotFoundError as e:
