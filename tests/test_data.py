@@ -17,6 +17,7 @@ from PIL import Image, ImageChops, ImageDraw
 
 import paligemma_lib.real_images  # noqa: F401, E402  (adds clothing, handwriting)
 import paligemma_lib.segmentation  # noqa: F401, E402  (adds the segments world)
+import paligemma_lib.small_detail  # noqa: F401, E402  (adds detail)
 from paligemma_lib.boxes import parse_loc_tokens
 from paligemma_lib.data import (
     COLOURS,
@@ -124,8 +125,8 @@ def test_splits_are_disjoint_and_inside_a_world():
 
 def test_worlds_and_mixing_never_share_a_generator_seed():
     starts = sorted([*WORLD_OFFSETS.values(), MIX_OFFSET])
-    # chapters 12.1 and 12.2
-    later = {"segments", "clothing", "handwriting", "naming", "pen"}
+    # chapters 12.1, 12.2 and 11.4
+    later = {"segments", "clothing", "handwriting", "naming", "pen", "detail"}
     assert set(WORLD_OFFSETS) == {*WORLDS, *later}
     assert all(b - a >= SEEDS_PER_WORLD for a, b in zip(starts, starts[1:]))
 

@@ -22,8 +22,34 @@ def test_the_parts_fit_nine_minutes_and_eight_files():
     assert gpu_run.CALL == 9 * 60
     default = sum(gpu_run.BUDGETS[p] for p in gpu_run.DEFAULT_PARTS)
     assert gpu_run.INSTALL + default <= gpu_run.CALL
-    assert gpu_run.INSTALL + gpu_run.BUDGETS["real"] <= gpu_run.CALL
-    assert len(gpu_run.FILES) <= 8
+    for part in gpu_run.ALONE:
+        assert gpu_run.INSTALL + gpu_run.BUDGETS[part] <= gpu_run.CALL, part
+
+
+def test_the_files_of_the_parts_one_call_runs_are_at_most_eight():
+    "A plain call (with profile in the rest of it), or each of ALONE in its own"
+    assert gpu_run.RETURNED == 8
+    assert set(gpu_run.PART_FILES) == set(gpu_run.PARTS)
+    calls = [[*gpu_run.DEFAULT_PARTS, "profile"], *([p] for p in gpu_run.ALONE)]
+    for parts in calls:
+        assert len(gpu_run.call_files(parts)) <= 8, parts
+    assert gpu_run.call_groups(list(gpu_run.PARTS)) == [
+        [p for p in gpu_run.PARTS if p not in gpu_run.ALONE],
+        *([p] for p in gpu_run.ALONE),
+    ]
+    assert len(set(gpu_run.FILES)) == len(gpu_run.FILES)  # no name shared
+
+
+def test_a_rehearsal_of_every_part_counts_each_calls_files(tmp_path):
+    "Every part in one folder: 11 files, no call's more than 8; a GPU call's are"
+    parts = list(gpu_run.PARTS)
+    files = [n for n in gpu_run.FILES if not n.endswith(".3") and n != "run.json"]
+    record = {p: {} for p in parts} | {"t4": {"receipts recipe": {"metrics": {}}}}
+    write_run(tmp_path, record, files)
+    assert len(list(tmp_path.iterdir())) > 8
+    assert gpu_run.check_output(tmp_path, parts, rehearse=True) == []
+    problems = gpu_run.check_output(tmp_path, parts)
+    assert any("at most 8 come back" in p for p in problems), problems
 
 
 def test_a_part_gets_no_more_than_the_call_has_left(tmp_path, monkeypatch):
@@ -39,7 +65,7 @@ def test_a_part_gets_no_more_than_the_call_has_left(tmp_path, monkeypatch):
         return run_part
 
     monkeypatch.setattr(gpu_run, "REHEARSAL_CALL", 100)
-    monkeypatch.setattr(gpu_run, "check_output", lambda out, parts: [])
+    monkeypatch.setattr(gpu_run, "check_output", lambda out, parts, rehearse=False: [])
     monkeypatch.setattr(
         gpu_run, "PART_FUNCTIONS", {"t4": part("t4", 95), "speed": part("speed", 0)}
     )

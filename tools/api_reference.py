@@ -66,6 +66,7 @@ MODULES = {
     "segment_eval": "",
     "real_images": "",
     "resolution": "",
+    "small_detail": "",
     "demo": "The demo's functions: prompts, answers, boxes, receipts, masks, "
     "attention maps and the checks of their inputs.",
     "app": "",

@@ -146,3 +146,93 @@ def ship_real(
     out.write_text(json.dumps(test, indent=1) + "\n")
     print(f"graded on test from index {first}: {out}")
     return record | {"test record": out.name}
+
+
+# nano-448's decision (issue 52): the examples each grade reads, per task, from index
+# 0 of validation or from the ledger's first fresh index of test
+STAGE2_SIZES = {"detail": 150, "shapes": 100, "ocr": 200}  # 300, 200, 200 rows
+STAGE2_NAME = "nano-448"
+
+
+def ship_stage2(
+    models: dict, stamp: str, *, grade=None, ship=None, ledger=ship_rules.LEDGER,
+    records=ROOT / "paligemma_lib" / "assets" / "stage2", shipped=None,
+    test_start=None,
+) -> dict:  # fmt: skip
+    """The models a stage-2 run sent back ({'448': folder, '224': folder}) graded
+    on the same validation examples beside nano at 224 and nano resampled to 448
+    untrained (and a nano-448 `shipped` before, if any, which the new one must
+    beat); the 448 model ships, by `ship(folder)`, only if it meets the issue's
+    goals (ship_rules.stage2_decision); then it and nano at 224 are graded once
+    on test examples from the ledger's first fresh index (or `test_start`),
+    spent in the ledger before the grade. `grade(source, size, split, start,
+    sizes)` is tools/gpu_stage2.py's"""
+    if grade is None:
+        from gpu_stage2 import grade
+    if ship is None:
+        from ship_nano import DEST
+        from ship_nano import ship as ship_to
+
+        def ship(folder):
+            return ship_to(folder, DEST.parent / STAGE2_NAME)
+
+    if shipped is None:
+        from ship_nano import DEST
+
+        shipped = DEST.parent / STAGE2_NAME
+    split, sizes = ship_rules.SHIP_SPLIT, STAGE2_SIZES
+    asked = {"nano at 224": ("nano", 224), "nano at 448, untrained": ("nano", 448),
+             "new at 448": (models["448"], 448)}  # fmt: skip
+    if "224" in models:
+        asked["control at 224"] = (models["224"], 224)
+    before = (shipped / "model.safetensors").exists()
+    if before:
+        asked["shipped nano-448"] = (shipped, 448)
+    graded = {
+        k: grade(source, size, split, 0, sizes) for k, (source, size) in asked.items()
+    }
+    decision = ship_rules.stage2_decision(
+        graded["new at 448"]["rows"], graded["nano at 224"]["rows"],
+        graded["shipped nano-448"]["rows"] if before else None,
+    )  # fmt: skip
+    run = json.loads((models["448"] / "training_record.json").read_text())
+    record = {
+        "model": STAGE2_NAME, "try": stamp,
+        "decided on": f"{split} from index 0: "
+        + ", ".join(f"{n} a task of {w}" for w, n in sizes.items()),
+        "trained": {"steps": run["steps"], "seconds": run["seconds"],
+                    "batch_size": run["train_config"]["batch_size"],
+                    "lr": run["train_config"]["lr"], "worlds": run["worlds"],
+                    "device": run["device"],
+                    "control at 224": "224" in models},
+        "measures": {k: g["measures"] for k, g in graded.items()},
+        "model_sha256": {k: g["model_sha256"] for k, g in graded.items()},
+    } | decision  # fmt: skip
+    records.mkdir(parents=True, exist_ok=True)
+    name = f"stage2-gpu-validation-{stamp}.json"
+    (records / name).write_text(json.dumps(record, indent=1) + "\n")
+    note(ledger, record, f"paligemma_lib/assets/stage2/{name}")
+    if not record["ships"]:
+        return record
+    first = test_start
+    if first is None:
+        first = ship_rules.fresh_start(ship_rules.read_ledger(ledger), sizes)
+    why = f"the {stamp} {STAGE2_NAME}'s grade, once, after it shipped"
+    spent = ship_rules.read_ledger(ledger)
+    for world, n in sizes.items():  # every range checked before one is spent
+        if ship_rules.overlapping(spent, world, first, first + n - 1):
+            raise ValueError(
+                f"test indices {first}-{first + n - 1} of {world} were graded "
+                f"before; grade from {ship_rules.fresh_start(spent, sizes)} on"
+            )
+    print(ship(models["448"]))
+    for world, n in sizes.items():
+        ship_rules.spend(ledger, world, first, n, BY, why)
+    test = {
+        "nano-448 at 448": grade(shipped, 448, "test", first, sizes),
+        "nano at 224": grade("nano", 224, "test", first, sizes),
+    }
+    out = records / f"stage2-after-gpu-{stamp}.json"
+    out.write_text(json.dumps({"decided": name, "graded": test}, indent=1) + "\n")
+    print(f"graded on test from index {first}: {out}")
+    return record | {"test record": out.name}

@@ -35,13 +35,15 @@ to DIR as soon as it has results, so that a run cut short returns what it did:
 4. speed: benchmarks/gpu.py --short at PaliGemma-3B's shapes (random bf16 weights).
 
 Three parts run only when asked for (--only): `real`, nano-real's training (a call of
-its own, tools/gpu_real.py); `profile`, where a training step of both recipes goes
-(tools/gpu_profile.py); and `decode`, where a compiled decoding step of PaliGemma-3B's
-shapes goes, kernel class by kernel class against the bandwidth, with the candidate
-fixes side by side (tools/gpu_decode.py; its table goes into run.json, no file of its
-own). A whole call, the wheels' install included, ends within CALL.
+its own, tools/gpu_real.py); `stage2`, nano's stage 2 at 448 beside a control at 224
+(a call of its own, tools/gpu_stage2.py); `profile`, where a training step of both
+recipes goes (tools/gpu_profile.py); and `decode`, where a compiled decoding step of
+PaliGemma-3B's shapes goes, kernel class by kernel class against the bandwidth, with the
+candidate fixes side by side (tools/gpu_decode.py; its table goes into run.json, no file
+of its own). A whole call, the wheels' install included, ends within CALL.
 
-DIR receives at most 8 files: `FILES`. --ingest DIR (on this machine) puts them where
+DIR receives at most 8 files: those of the parts the call runs (`PART_FILES`) and
+`COMMON_FILES`. --ingest DIR (on this machine) puts them where
 they belong: benchmarks/results/, the speed page (A.2), chapter 12's bars for its GPU
 branch, and a returned adapter or model into the package only if tools/ship_rules.py's
 rule says so on validation, beside the shipped one; then it is graded once on test
@@ -72,22 +74,31 @@ import gpu_decode  # noqa: E402
 import gpu_ingest  # noqa: E402
 import gpu_profile  # noqa: E402
 import gpu_real  # noqa: E402
+import gpu_stage2  # noqa: E402
 
-PARTS = ("branches", "t4", "segment", "speed", "real", "profile", "decode")
-# what a plain run does; `real` (nano-real's training, issue 41) takes a call alone,
-# `profile` (where a training step goes, issue 49) and `decode` (where a decoding
-# step goes, issue 50) a call or the rest of one
+PARTS = ("branches", "t4", "segment", "speed", "real", "profile", "decode", "stage2")
+# what a plain run does; `real` (nano-real's training, issue 41) and `stage2` (nano's
+# stage 2, issue 52) take a call alone, `profile` (where a training step goes, issue
+# 49) and `decode` (where a decoding step goes, issue 50) a call or the rest of one
 DEFAULT_PARTS = ("branches", "t4", "segment", "speed")
 BUDGETS = {"branches": 180, "t4": 90, "segment": 180, "speed": 60,  # 510 s
-           "real": 500, "profile": 150, "decode": 300}  # fmt: skip
+           "real": 500, "profile": 150, "decode": 300, "stage2": 500}  # fmt: skip
 INSTALL = 30  # the wheels' install (about 10 s), inside the call's 9 minutes
 CALL = 9 * 60  # a whole call: the install and every part end within it
 # the CPU rehearsal: the same steps, tiny
 REHEARSAL_BUDGETS = {"branches": 240, "t4": 150, "segment": 200, "speed": 40,
-                     "real": 150, "profile": 150, "decode": 120}  # fmt: skip
+                     "real": 150, "profile": 150, "decode": 120,
+                     "stage2": 240}  # fmt: skip
 REHEARSAL_CALL = 30 * 60
-FILES = ("run.json", "book.json", "speed.json", "segment-adapter.tar", "log.txt",
-         "real-model.tar.0", "real-model.tar.1", "profile.json")  # fmt: skip
+RETURNED = 8  # the most files a call brings back
+COMMON_FILES = ("run.json", "log.txt")  # every call's
+PART_FILES = {  # what each part may write into DIR
+    "branches": ("book.json",), "t4": (), "segment": ("segment-adapter.tar",),
+    "speed": ("speed.json",), "real": ("real-model.tar.0", "real-model.tar.1"),
+    "profile": ("profile.json",), "decode": (),
+    "stage2": tuple(f"{gpu_stage2.TAR}.{i}" for i in range(gpu_stage2.PIECES)),
+}  # fmt: skip
+FILES = COMMON_FILES + tuple(name for files in PART_FILES.values() for name in files)
 # the chapters whose cells branch on a GPU; chapter 13 has none (its page runs the
 # model where it was loaded), and its Gradio is not on the GPU machine
 CHAPTERS = ("08_", "08b", "09_", "11b", "11c", "12_", "12b")
@@ -577,7 +588,15 @@ def decode(run: Run, budget: float) -> dict:
 
 PART_FUNCTIONS = {"branches": branches, "t4": t4, "segment": segment, "speed": speed,
                   "real": gpu_real.real, "profile": gpu_profile.profile,
-                  "decode": decode}  # fmt: skip
+                  "decode": decode, "stage2": gpu_stage2.stage2}  # fmt: skip
+
+
+ALONE = ("real", "stage2")  # parts that take a call of their own
+
+
+def call_files(parts) -> tuple:
+    "The files a call running `parts` may bring back"
+    return COMMON_FILES + tuple(name for p in parts for name in PART_FILES[p])
 
 
 def run_parts(out: Path, parts: list[str], rehearse: bool) -> int:
@@ -602,19 +621,34 @@ def run_parts(out: Path, parts: list[str], rehearse: bool) -> int:
         run.say(f"{part}: {json.dumps(result)[:1500]}")
     run.record["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
     run.save()
-    problems = check_output(out, parts)
+    problems = check_output(out, parts, rehearse)
     for problem in problems:
         run.say("PROBLEM:", problem)
     return 1 if problems else 0
 
 
-def check_output(out: Path, parts: list[str]) -> list[str]:
+def call_groups(parts) -> list[list[str]]:
+    """`parts` as GPU calls would run them: each of ALONE in a call of its own,
+    the others together"""
+    together = [p for p in parts if p not in ALONE]
+    return ([together] if together else []) + [[p] for p in parts if p in ALONE]
+
+
+def check_output(out: Path, parts: list[str], rehearse: bool = False) -> list[str]:
     """What is wrong with DIR for the machine's return trip and for --ingest: more
-    than 8 files, an unexpected name, a part without its record or its file"""
+    than RETURNED files (in a rehearsal of parts no call runs together, more than
+    RETURNED of one call's, `call_groups`), an unexpected name, a part without its
+    record or its file"""
     problems = []
     names = sorted(p.name for p in out.iterdir())
-    if len(names) > 8:
-        problems.append(f"{len(names)} files in {out}; at most 8 come back")
+    groups = call_groups(parts) if rehearse else [None]
+    for group in groups:
+        mine = names if group is None else [n for n in names if n in call_files(group)]
+        if len(mine) > RETURNED:
+            what = "" if group is None else f" of a call running {', '.join(group)}"
+            problems.append(
+                f"{len(mine)} files{what} in {out}; at most {RETURNED} come back"
+            )
     problems += [f"unexpected file {n}" for n in names if n not in FILES]
     record = json.loads((out / "run.json").read_text())
     for key in ("environment", "parts", "started", "finished"):
@@ -622,7 +656,8 @@ def check_output(out: Path, parts: list[str]) -> list[str]:
             problems.append(f"run.json has no {key!r}")
     expected = {"branches": "book.json", "speed": "speed.json",
                 "segment": "segment-adapter.tar",
-                "real": "real-model.tar.0", "profile": "profile.json"}  # fmt: skip
+                "real": "real-model.tar.0", "profile": "profile.json",
+                "stage2": f"{gpu_stage2.TAR}.0"}  # fmt: skip
     for part in parts:
         if part not in record.get("parts", {}):
             problems.append(f"run.json has no part {part!r}")
@@ -679,6 +714,11 @@ def ingest(folder: Path) -> int:
             folder / "real-model.tar.0", Path(tempfile.mkdtemp())
         )
         gpu_ingest.ship_real(model, part_stamp("real"))
+    if (folder / f"{gpu_stage2.TAR}.0").exists():
+        models = gpu_stage2.unpack_models(
+            folder / f"{gpu_stage2.TAR}.0", Path(tempfile.mkdtemp())
+        )
+        gpu_ingest.ship_stage2(models, part_stamp("stage2"))
     subprocess.run([sys.executable, "tools/speed_page.py"], cwd=ROOT, check=True)
     return 0
 

@@ -159,6 +159,82 @@ def real_decision(new_rows: list, old_rows: list, nano: dict) -> dict:
     }
 
 
+# --- nano-448, nano's stage 2 (chapter 11.4, issue 52) ---
+
+SMALL_TEXT = "small text, 1 - CER"  # higher is better, as decide() reads
+STAGE2_AIMS = [SMALL_TEXT]
+STAGE2_KEPT = KEPT  # chapter 11's skills, as chapter 12.2 keeps them
+CER_GOAL = 0.5  # the small text's CER at 448: at most half of nano's at 224
+
+
+def stage2_measures(rows: list) -> dict:
+    """Rows of tools/gpu_stage2.py's `grade` -> the measures compared: the
+    detail world's text (1 - its character error rate, and lines read whole)
+    and counts, and chapter 11's skills"""
+    from paligemma_lib.evaluation import (
+        character_error_rate,
+        detection_metrics,
+        exact_match,
+    )
+
+    def pairs(world, task):
+        mine = [r for r in rows if r["world"] == world and r["task"] == task]
+        return [r["prediction"] for r in mine], [r["answer"] for r in mine]
+
+    text = pairs("detail", "ocr")
+    return {
+        SMALL_TEXT: 1 - character_error_rate(*text),
+        "small text read": exact_match(*text),
+        "small shapes counted": exact_match(*pairs("detail", "count")),
+        "ch. 11 shapes captioned": exact_match(*pairs("shapes", "caption")),
+        "ch. 11 boxes, IoU >= 0.5": detection_metrics(*pairs("shapes", "detect"))[
+            "IoU >= 0.5"
+        ],
+        "ch. 11 text read": exact_match(*pairs("ocr", "ocr")),
+    }
+
+
+def stage2_shortfalls(measured: dict, nano: dict) -> dict:
+    """How far a model at 448 is from each of the issue's goals (0 where met),
+    against nano at 224: the small text's CER at most CER_GOAL of nano's, and
+    chapter 11's skills within KEPT_LOSS of nano's"""
+    cer, nano_cer = 1 - measured[SMALL_TEXT], 1 - nano[SMALL_TEXT]
+    short = {"small text CER": max(0.0, cer - CER_GOAL * nano_cer)}
+    short |= {k: max(0.0, nano[k] - KEPT_LOSS - measured[k]) for k in STAGE2_KEPT}
+    return {k: round(v, 4) for k, v in short.items()}
+
+
+def stage2_paired(new_rows: list, old_rows: list) -> dict:
+    "The paired comparison of two grades of the same examples"
+    return paired_jackknife(
+        new_rows, old_rows, stage2_measures,
+        key=lambda r: (r["world"], r["task"], r["index"]),
+        cluster=lambda r: (r["world"], r["index"]),
+    )  # fmt: skip
+
+
+def stage2_decision(new_rows: list, nano_rows: list, shipped_rows=None) -> dict:
+    """The model at 448 against nano at 224 on the same validation examples: it
+    ships only if it meets every goal (stage2_shortfalls), reads the small text
+    better by more than MARGIN standard errors, and lets no measure fall by more
+    than its own MARGIN; with `shipped_rows` (a nano-448 shipped before), it must
+    also beat that one by the same rule"""
+    paired = stage2_paired(new_rows, nano_rows)
+    new = {m: c["new"] for m, c in paired.items()}
+    nano = {m: c["old"] for m, c in paired.items()}
+    short = stage2_shortfalls(new, nano)
+    meets = not any(short.values())
+    decision = decide(paired, STAGE2_AIMS)
+    out = decision | {"meets the goals": meets, "shortfalls": short, "paired": paired}
+    ships = decision["ships"] and meets
+    if shipped_rows is not None:
+        against = stage2_paired(new_rows, shipped_rows)
+        second = decide(against, STAGE2_AIMS)
+        out["against the shipped nano-448"] = second | {"paired": against}
+        ships = ships and second["ships"]
+    return out | {"ships": ships}
+
+
 # --- the ledger of test ranges spent ---
 
 

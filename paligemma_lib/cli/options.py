@@ -148,9 +148,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# segments: chapter 12.1; clothing, handwriting, naming, pen: 12.2 (real pictures)
+# segments: chapter 12.1; clothing, handwriting, naming, pen: 12.2 (real pictures);
+# detail: 11.4 (small text and shapes, drawn at 448)
 WORLDS = ("shapes", "ocr", "receipts", "segments", "clothing", "handwriting",
-          "naming", "pen")  # fmt: skip
+          "naming", "pen", "detail")  # fmt: skip
 
 
 DEVICE_HELP = "'auto' (the GPU when there is one), 'cpu', 'cuda', 'cuda:1', ..."
@@ -182,15 +183,16 @@ def parse_worlds(text: str) -> dict:
 def import_data():
     "The synthetic worlds (chapter 11), imported only by the commands that need them"
     try:
-        # segmentation adds "segments", real_images "clothing", "handwriting", ...
-        from .. import data, real_images, segmentation  # noqa: F401
+        # segmentation adds "segments", real_images "clothing", "handwriting", ...,
+        # small_detail "detail"
+        from .. import data, real_images, segmentation, small_detail  # noqa: F401
     except ModuleNotFoundError as e:
-        ours = ("data", "segmentation", "real_images")
+        ours = ("data", "segmentation", "real_images", "small_detail")
         if e.name not in [f"paligemma_lib.{m}" for m in ours]:
             raise
         raise ValueError(
-            f"this installation has no {e.name} (the worlds of chapters 11, 12.1 "
-            "and 12.2); install a version of paligemma_lib that has it"
+            f"this installation has no {e.name} (the worlds of chapters 11, 11.4, "
+            "12.1 and 12.2); install a version of paligemma_lib that has it"
         ) from None
     return data
 
