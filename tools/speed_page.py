@@ -720,40 +720,36 @@ def decode_profile(results: Path = RESULTS, chart: Path = PROFILE_CHART) -> str:
                                 ratio])  # fmt: skip
     machine = f"{profile['device']}, PyTorch {profile['torch']}"
     bandwidth = profile["bandwidth"] / 1e12
+    cited = found[-1].relative_to(ROOT) if found[-1].is_relative_to(ROOT) else None
+    intro = (
+        "`tools/gpu_run.py --only decode` at PaliGemma-3B's shapes (random "
+        "weights): `generate(compile=True)`'s step (64 tokens less 1, over 63), "
+        "the compiled step replayed with no host work between steps, its kernels' "
+        "time (the profiler's), the gaps between kernels, the host's work between "
+        f"steps, and the time the step's bytes need at {bandwidth:.2f} TB/s. "
+        "Candidate fixes: `tuned` (Inductor's coordinate-descent tuning), "
+        "`grouped` (attention without `repeat_kv`), `math` (attention written "
+        "out for Inductor to fuse)."
+    )
+    caption = (
+        f"```{{figure}} figures/{chart.name}\n:alt: Each kernel class's "
+        "milliseconds a step beside the time its bytes need at the bandwidth\n\n"
+        "Each kernel class's time a step (bars) beside the time its bytes need at "
+        "the memory's bandwidth (ticks), bf16 and int8 at batch 1.\n```"
+    )
+    header = ["row", "generate ms", "replayed ms", "kernels ms", "gaps ms",
+              "host ms", "limit ms", "of limit"]  # fmt: skip
+    by_class = ["row", "class", "ms", "kernels", "GB", "limit ms", "of limit"]
+    source = f"*Machine:* {machine}." + (f" *Record:* `{cited}`" if cited else "")
     return "\n\n".join(
         [
             "## Where a decoding step goes",
-            "`tools/gpu_run.py --only decode` at PaliGemma-3B's shapes (random weights): "
-            "`generate(compile=True)`'s step (64 tokens less 1, over 63), the compiled "
-            "step replayed with no host work between steps, its kernels' time (the "
-            "profiler's), the gaps between kernels, the host's work between steps, and "
-            f"the time the step's bytes need at {bandwidth:.2f} TB/s. Candidate fixes: "
-            "`tuned` (Inductor's coordinate-descent tuning), `grouped` (attention without "
-            "`repeat_kv`), `math` (attention written out for Inductor to fuse).",
-            f"*Machine:* {machine}. *Record:* `{found[-1].relative_to(ROOT)}`"
-            if found[-1].is_relative_to(ROOT)
-            else f"*Machine:* {machine}.",
-            table(
-                [
-                    "row",
-                    "generate ms",
-                    "replayed ms",
-                    "kernels ms",
-                    "gaps ms",
-                    "host ms",
-                    "limit ms",
-                    "of limit",
-                ],
-                rows,
-            ),  # fmt: skip
-            f"```{{figure}} figures/{chart.name}\n:alt: Each kernel class's milliseconds "
-            "a step beside the time its bytes need at the bandwidth\n\nEach kernel "
-            "class's time a step (bars) beside the time its bytes need at the memory's "
-            "bandwidth (ticks), bf16 and int8 at batch 1.\n```",
-            table(
-                ["row", "class", "ms", "kernels", "GB", "limit ms", "of limit"], classes
-            ),  # fmt: skip
-        ]
+            intro,
+            source,
+            table(header, rows),
+            caption,
+            table(by_class, classes),
+        ]  # fmt: skip
     )
 
 
