@@ -482,9 +482,14 @@ PALIGEMMA_TASKS = ("caption", "question", "detect", "ocr", "segment")
 def tasks_learnt(folder) -> set[str] | None:
     """The page's tasks a model or adapter folder learnt: those of the worlds
     its training record names; None if it has no record"""
-    # 12.2's worlds join TASKS; imported here, not with the module: the order
-    # worlds join is the order SyntheticDataset mixes them in (12.1's first)
-    from paligemma_lib import real_images  # noqa: F401
+    # 12.2's and 11.4's worlds join TASKS; imported here, not with the
+    # module: the order worlds join is the order SyntheticDataset mixes them
+    # in (12.1's first)
+    from paligemma_lib import (  # noqa: F401
+        real_images,
+        real_recipes,
+        small_detail,
+    )
 
     record = Path(folder) / "training_record.json"
     if not record.is_file():

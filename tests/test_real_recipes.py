@@ -23,16 +23,13 @@ from paligemma_lib.data import (
     make_example,
 )
 from paligemma_lib.evaluation import compute_metrics
-from paligemma_lib.real_images import (
-    ITEMS,
+from paligemma_lib.real_images import ITEMS, clothing_pool, digit_pool, mnist_5k
+from paligemma_lib.real_recipes import (
     NAME_PROMPTS,
     PEN_LINES,
     PROBE,
     _apart,
-    clothing_pool,
-    digit_pool,
     grade_probe,
-    mnist_5k,
     probe_image,
 )
 
@@ -137,7 +134,7 @@ def test_pen_numbers_are_answered_right_and_held_out():
 
 def test_typed_digits_are_the_digits_they_say():
     "Each typed digit is drawn, and no two digits look the same"
-    from paligemma_lib.real_images import _typed_digit
+    from paligemma_lib.real_recipes import _typed_digit
 
     for bold in (False, True):
         drawn = [_typed_digit(d, bold) for d in range(10)]
@@ -146,7 +143,7 @@ def test_typed_digits_are_the_digits_they_say():
 
 
 def test_stroke_thins_and_thickens():
-    from paligemma_lib.real_images import _stroke
+    from paligemma_lib.real_recipes import _stroke
 
     picture = mnist_5k()[0][0]
     ink = [int((_stroke(picture, w) > 0).sum()) for w in (-1, 0, 1)]

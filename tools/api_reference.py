@@ -65,6 +65,7 @@ MODULES = {
     "mask_vae_training": "",
     "segment_eval": "",
     "real_images": "",
+    "real_recipes": "",
     "resolution": "",
     "small_detail": "",
     "demo": "The demo's functions: prompts, answers, boxes, receipts, masks, "

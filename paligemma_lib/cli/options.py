@@ -183,11 +183,17 @@ def parse_worlds(text: str) -> dict:
 def import_data():
     "The synthetic worlds (chapter 11), imported only by the commands that need them"
     try:
-        # segmentation adds "segments", real_images "clothing", "handwriting", ...,
-        # small_detail "detail"
-        from .. import data, real_images, segmentation, small_detail  # noqa: F401
+        # segmentation adds "segments", real_images "clothing", "handwriting",
+        # real_recipes "naming", "pen", small_detail "detail"
+        from .. import (  # noqa: F401
+            data,
+            real_images,
+            real_recipes,
+            segmentation,
+            small_detail,
+        )
     except ModuleNotFoundError as e:
-        ours = ("data", "segmentation", "real_images", "small_detail")
+        ours = ("data", "segmentation", "real_images", "real_recipes", "small_detail")
         if e.name not in [f"paligemma_lib.{m}" for m in ours]:
             raise
         raise ValueError(
