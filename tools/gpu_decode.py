@@ -20,7 +20,8 @@ benchmarks/gpu.py builds them). Each row of `ROWS` is the decoder (bf16, or chap
   instead of the fused attention kernel.
 
 For each row: ms a step inside `generate` (64 tokens less 1, over 63, as
-benchmarks/gpu.py measures it) and whether its tokens equal eager decoding's; then the
+benchmarks/gpu.py measures it) and whether its tokens equal those of the shipped eager
+decoding (of the same weights, bf16 or int8); then the
 compiled step replayed with no host work between steps, its wall time, and
 `torch.profiler` over the replays: each kernel put in a class (`kind`), the class's
 time a step, kernels a step, bytes a step (`class_bytes`) and bandwidth. What the
@@ -244,8 +245,9 @@ def measure_row(models, config, row, device, repeats: int) -> dict:
     dtype = model.language_model.lm_head.weight.dtype
     inputs = prompts(config, batch, device, dtype)
     torch._dynamo.reset()  # a fresh compile under this row's variant
-    with variant(name), torch.inference_mode():
+    with torch.inference_mode():  # the shipped eager step's tokens, the reference
         eager = run_ours(model, inputs, NEW_TOKENS)
+    with variant(name), torch.inference_mode():
         step, warm_up, tokens = measure_decode(
             f"{decoder}, batch {batch}, {name}",
             lambda n: run_ours(model, inputs, n, compile=True),
