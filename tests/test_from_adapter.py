@@ -30,7 +30,8 @@ def test_training_goes_on_from_the_shipped_adapter(tmp_path):
         # AdamW moves an entry by at most lr (1 - beta1) / sqrt(1 - beta2), about
         # 3.2 lr, a step (plus lr x decay x |w|, far less); a new adapter's lora_B
         # starts at 0, where the shipped one's entries reach about 0.1
-        torch.testing.assert_close(after[key], tensor, rtol=0, atol=STEPS * 3.3 * LR)
+        bound = STEPS * 3.3 * LR  # AdamW's largest move, lr x 0.1 / sqrt(0.001)
+        torch.testing.assert_close(after[key], tensor, rtol=0, atol=bound)  # AdamW
     config = json.loads((out / "adapter_config.json").read_text())
     saved = json.loads((shipped / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (saved["r"], saved["lora_alpha"])

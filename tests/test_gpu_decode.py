@@ -134,7 +134,7 @@ def test_a_candidate_fix_computes_what_the_shipped_step_computes(variant):
         with gpu_decode.variant(variant):
             candidate = one_step(model, config)
     # fp32 both; the same sums in another order: a few ulps of the logits
-    torch.testing.assert_close(candidate, shipped, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(candidate, shipped, rtol=1e-5, atol=1e-5)  # fp32 sums
     assert gemma.repeat_kv(torch.ones(1, 1, 2, 3), 4).shape == (1, 4, 2, 3)  # back
 
 
