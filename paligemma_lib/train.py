@@ -20,7 +20,8 @@ import torch.distributed as dist
 from .batching import StepBatches, step_batches
 from .devices import gpu_branch, has_native_bf16
 from .optimization import make_optimizer, make_scheduler
-from .paligemma import IGNORE_INDEX
+from .gemma import _check_token_ids, _InputsChecked
+from .paligemma import IGNORE_INDEX, _check_image_tokens
 from paligemma_lib.resume import (
     latest_checkpoint,
     load_checkpoint,
@@ -102,6 +103,17 @@ def _forward_logits(model, batch) -> torch.Tensor:
     ).logits
 
 # %% ../book/11b_training.ipynb #c025
+def _check_on_host(model: nn.Module, batch) -> None:
+    """The forward's checks of token values, run on a batch still in host
+    memory: on a GPU they would wait for every queued kernel"""
+    config = getattr(model, "module", model).config  # DDP wraps the model
+    ids = batch.input_ids.cpu()
+    _check_token_ids(ids, config.text.vocab_size)
+    is_image = ids == config.image_token_index
+    N = config.vision.num_image_tokens
+    _check_image_tokens(is_image, len(batch.pixel_values), N)
+
+
 def training_step(
     model: nn.Module,
     micro_batches: list,
@@ -122,22 +134,22 @@ def training_step(
     model.train()
     if scaler is None:
         scaler = torch.amp.GradScaler(torch.device(device).type, enabled=False)
-    count = torch.tensor(
-        float(sum(count_targets(b.labels) for b in micro_batches)),
-        device=device,
-    )
+    count = sum(count_targets(b.labels) for b in micro_batches)  # on the host
     if world_size > 1:
+        count = torch.tensor(float(count), device=device)
         dist.all_reduce(count)  # answer tokens in the global batch
-    if count.item() == 0:
+        count = count.item()
+    if count == 0:
         raise ValueError(
             "the batch holds no answer tokens: every label is -100"
         )
     total = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
+        _check_on_host(model, batch)
         batch = batch.to(device)
         last = i == len(micro_batches) - 1
         with gradient_sync(model, sync=last):  # accumulate locally before
-            with autocast(device):
+            with autocast(device), _InputsChecked():
                 logits = _forward_logits(model, batch)  # [B, S, V]
             loss = token_loss_sum(logits, batch.labels) / count
             # DDP and FSDP average over processes
@@ -260,6 +272,14 @@ class TrainConfig:
             "state across the processes (FSDP2) instead of copying them (DDP)"
         },
     )
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "run each step's forward and backward through "
+            "torch.compile, as one graph: fewer kernels and less Python a "
+            "step, after a compilation of a minute or so (one process)"
+        },
+    )
 
     def __post_init__(self):
         at_least = {"steps": 1, "batch_size": 1, "accumulation": 1}
@@ -324,7 +344,8 @@ def _check_resumable(
     state: dict, config: TrainConfig, num_examples: int, folder
 ):
     "A checkpoint continues only the run it came from"
-    changeable = {"eval_every", "save_every"}
+    # compile: how each step runs, not what it computes (as the device)
+    changeable = {"eval_every", "save_every", "compile"}
     # a setting newer than the checkpoint (e.g. fsdp) was at its default
     stored = asdict(TrainConfig()) | state["config"]
     asked = asdict(config)
@@ -432,6 +453,19 @@ def _progress_bar(config: TrainConfig, start: int, progress: bool, rank: int):
     )
 
 # %% ../book/11b_training.ipynb #83fafc35
+def _step_model(model: nn.Module, config: TrainConfig, world_size: int):
+    "The module each step calls: `model`, or `model` through torch.compile"
+    if not config.compile:
+        return model
+    if world_size > 1:
+        raise ValueError(
+            f"compile=True trains in one process, not {world_size}: leave "
+            "out --compile under torchrun (DDP and FSDP run eagerly here)"
+        )
+    # one graph: the step checks token values on the host (`_check_on_host`)
+    return torch.compile(model, fullgraph=True)
+
+
 def train(
     model: nn.Module,
     dataset,
@@ -477,6 +511,7 @@ def train(
     ddp = data_parallel(
         model, device, world_size, config.fsdp, autocast_dtype(device)
     )
+    stepped = _step_model(ddp, config, world_size)  # compiled, if asked
     optimizer = make_optimizer(model, config.lr, config.weight_decay)
     scheduler = make_scheduler(
         optimizer, config.warmup_steps, config.steps, config.min_lr_ratio
@@ -495,7 +530,7 @@ def train(
         micro_batches = next(upcoming)
         lr = optimizer.param_groups[0]["lr"]
         loss, norm = training_step(
-            ddp,
+            stepped,
             micro_batches,
             optimizer,
             scheduler,

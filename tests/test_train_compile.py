@@ -1,0 +1,148 @@
+"""Chapter 11.2's faster step (issue 49 section 2): the forward's value checks run on
+the host before the batch moves, so a step reads back only its loss and gradient
+norm, and `TrainConfig.compile` runs the forward and backward as one torch.compile
+graph that computes what the eager step computes."""
+
+import collections
+import copy
+import sys
+
+import pytest
+import torch
+from test_train import DATA, collate, toy_model
+
+from paligemma_lib.gemma import _InputsChecked
+from paligemma_lib.optimization import make_optimizer, make_scheduler
+from paligemma_lib.train import (
+    TrainConfig,
+    _check_on_host,
+    _check_resumable,
+    _step_model,
+    train,
+    training_step,
+)
+
+# Reading a tensor's values on the host: on a GPU each waits for every queued kernel.
+READS = {"item", "tolist", "nonzero", "numpy", "__bool__", "__int__", "__float__",
+         "__index__"}  # fmt: skip
+
+
+class CountReads(torch.overrides.TorchFunctionMode):
+    "Counts the calls that read tensor values back to Python"
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in READS:
+            caller = sys._getframe(1).f_code.co_name  # the function that reads
+            self.reads.append(f"{caller}: {func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+def batch_of(n=4, start=0):
+    return collate([DATA[i] for i in range(start, start + n)])
+
+
+def forward(model, batch):
+    return model(**{k: batch[k] for k in batch.keys() if k != "labels"})
+
+
+def test_the_forward_reads_values_only_outside_inputs_checked():
+    model, batch = toy_model(), batch_of()
+    with CountReads() as plain:
+        forward(model, batch)
+    assert plain.reads  # the token-id range and the <image> count per row
+    with CountReads() as checked, _InputsChecked():
+        forward(model, batch)
+    assert checked.reads == []
+    assert not _InputsChecked.active  # the context ends with its block
+
+
+def test_a_step_reads_back_only_its_loss_and_norm():
+    model = toy_model()
+    optimizer = make_optimizer(model, lr=1e-3)
+    scheduler = make_scheduler(optimizer, 1, 10)
+    with CountReads() as counted:
+        training_step(model, [batch_of(2), batch_of(2, 2)], optimizer, scheduler)
+    # AdamW keeps its step counters on the host (neither fused nor capturable)
+    reads = collections.Counter(r for r in counted.reads if r != "_get_value: item")
+    assert reads == {
+        # two micro-batches checked on the host, before they move: min and max ids,
+        # the rows with a wrong <image> count, the answer tokens
+        "_check_token_ids: item": 4,
+        "_check_image_tokens: nonzero": 2,
+        "_check_image_tokens: tolist": 2,
+        "count_targets: __int__": 2,
+        # and the one wait a step needs on a GPU: its loss and gradient norm
+        "training_step: item": 2,
+    }
+
+
+def test_the_host_checks_give_the_forwards_errors():
+    model, batch = toy_model(), batch_of(2)
+    vocab = model.config.text.vocab_size
+    bad = copy.deepcopy(batch)
+    bad.input_ids[0, -1] = vocab
+    with pytest.raises(ValueError, match=f"to {vocab}, but the vocabulary has {vocab}"):
+        _check_on_host(model, bad)
+    bad = copy.deepcopy(batch)
+    bad.input_ids[1, 0] = 0  # one <image> token fewer in row 1
+    with pytest.raises(ValueError, match="row 1 of input_ids holds 3 <image>"):
+        _check_on_host(model, bad)
+    _check_on_host(model, batch)  # a good batch passes
+
+
+def first_step(model, compiled: bool):
+    "(loss, norm, gradients) of one step of `model` through the eager or compiled path"
+    optimizer = make_optimizer(model, lr=1e-3)
+    scheduler = make_scheduler(optimizer, 1, 10)
+    grads = {}
+    optimizer.register_step_pre_hook(
+        lambda *_: grads.update(
+            {n: p.grad.clone() for n, p in model.named_parameters()}
+        )
+    )
+    stepped = _step_model(model, TrainConfig(compile=compiled), 1)
+    loss, norm = training_step(stepped, [batch_of(8)], optimizer, scheduler)
+    return loss, norm, grads
+
+
+def test_the_compiled_step_computes_the_eager_step():
+    model = toy_model()
+    eager = first_step(copy.deepcopy(model), compiled=False)
+    compiled = first_step(model, compiled=True)  # fullgraph: one graph or an error
+    # fp32 both sides (u = 2^-24); Inductor may reorder each reduction, of at most
+    # 1,792 terms (the vocabulary's log-softmax), in each of 3 layers and the loss:
+    # (3 + 1) x 1,792 x u relative
+    rtol = 4 * 1792 * 2**-24
+    assert compiled[0] == pytest.approx(eager[0], rel=rtol)
+    assert compiled[1] == pytest.approx(eager[1], rel=rtol)
+    for name, g in eager[2].items():
+        # the same reorderings; atol: entries whose terms cancel to ~0
+        torch.testing.assert_close(compiled[2][name], g, rtol=rtol, atol=1e-7)
+
+
+def test_train_with_compile_trains_the_model_it_was_given():
+    config = TrainConfig(steps=2, batch_size=4, warmup_steps=1, lr=1e-3)
+    eager = train(toy_model(), DATA, collate, config, progress=False)
+    config.compile, model = True, toy_model()
+    start = copy.deepcopy(model.state_dict())
+    compiled = train(model, DATA, collate, config, progress=False)
+    # the first step's loss and norm come before any update: as in the test above
+    rtol = 4 * 1792 * 2**-24
+    for key in ("loss", "grad_norm"):
+        assert compiled[key][0] == pytest.approx(eager[key][0], rel=rtol)
+    assert compiled["step"] == [1, 2]
+    moved = [k for k, v in model.state_dict().items() if not torch.equal(v, start[k])]
+    assert len(moved) == len(start)  # the compiled module's updates are the model's
+
+
+def test_compile_is_refused_under_torchrun_and_may_change_on_resume():
+    with pytest.raises(ValueError, match="one process, not 2.*leave out --compile"):
+        _step_model(toy_model(), TrainConfig(compile=True), world_size=2)
+    stored = {"config": vars(TrainConfig(compile=False)), "num_examples": 64}
+    _check_resumable(stored, TrainConfig(compile=True), 64, "ckpt")  # no error
+    with pytest.raises(ValueError, match="seed: 0 -> 1"):
+        _check_resumable(stored, TrainConfig(seed=1), 64, "ckpt")
