@@ -134,6 +134,11 @@ class GemmaRotaryEmbedding(nn.Module):
 from dataclasses import dataclass
 
 from .config import TextConfig, patch_to
+from paligemma_lib.input_checks import (
+    _check_inputs_embeds,
+    _check_one_input,
+    _check_token_ids,
+)
 
 # %% ../book/05_gemma_decoder.ipynb #c015
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -385,65 +390,6 @@ def _check_4d_mask(attention_mask, batch_size: int, query_length: int):
             f"the 4-D attention_mask has dtype {attention_mask.dtype}; it "
             "must be additive floats (0 = attend, very negative = blocked): "
             "build it from a boolean one with additive_mask(allowed, dtype)"
-        )
-
-# %% ../book/05_gemma_decoder.ipynb #c063
-def _check_one_input(input_ids, inputs_embeds):
-    "Raise a clear error unless exactly one of the two is given"
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError(
-            "pass exactly one of input_ids (token ids) and inputs_embeds "
-            "(already embedded and scaled)"
-        )
-
-
-class _InputsChecked:
-    """`with _InputsChecked():` the forward skips the checks that read tensor
-    values back (on a GPU, a wait for every queued kernel): the caller ran
-    them on the host first, as `training_step` does (chapter 11.2)"""
-
-    active = False
-
-    def __enter__(self):
-        self.was, _InputsChecked.active = _InputsChecked.active, True
-
-    def __exit__(self, *exc):
-        _InputsChecked.active = self.was
-
-
-def _check_token_ids(input_ids: torch.Tensor, vocab_size: int):
-    """Raise a clear error unless `input_ids` are integers from 0 to vocab_size
-    - 1"""
-    if input_ids.is_floating_point():
-        raise ValueError(
-            f"input_ids has dtype {input_ids.dtype}; token ids must be "
-            "integers (torch.long), as the tokenizer returns them. Vectors "
-            "that are already embedded go in as inputs_embeds instead"
-        )
-    if input_ids.is_meta or not input_ids.numel() or _InputsChecked.active:
-        return  # no values to check, or checked on the host
-    low, high = input_ids.min().item(), input_ids.max().item()
-    if low < 0 or high >= vocab_size:
-        raise ValueError(
-            f"input_ids range from {low} to {high}, but the vocabulary has "
-            f"{vocab_size} entries (0 to {vocab_size - 1}); do the tokenizer "
-            "and the config match?"
-        )
-
-
-def _check_inputs_embeds(inputs_embeds: torch.Tensor, hidden_size: int, dtype):
-    """Raise a clear error unless `inputs_embeds` is [B, S, D] in the model's
-    dtype"""
-    if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != hidden_size:
-        raise ValueError(
-            f"inputs_embeds has shape {list(inputs_embeds.shape)}; "
-            f"expected [batch, seq, {hidden_size}]"
-        )
-    if inputs_embeds.dtype != dtype:
-        raise ValueError(
-            f"inputs_embeds has dtype {inputs_embeds.dtype} but the model's "
-            f"weights are {dtype}; cast them with inputs_embeds.to({dtype}) "
-            f"(or the model with .to({inputs_embeds.dtype}))"
         )
 
 # %% ../book/05_gemma_decoder.ipynb #39f07ad4

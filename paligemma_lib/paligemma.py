@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 from .config import PaliGemmaConfig
-from .gemma import GemmaForCausalLM, _InputsChecked, additive_mask
+from .gemma import GemmaForCausalLM, additive_mask
 from .image_processing import normalize_levels
+from .input_checks import _InputsChecked
 from .siglip import SiglipVisionModel
 from torch import nn
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from .batching import StepBatches, step_batches
 from .devices import gpu_branch, has_native_bf16
+from .input_checks import _check_token_ids, _InputsChecked
 from .optimization import make_optimizer, make_scheduler
-from .gemma import _check_token_ids, _InputsChecked
 from .paligemma import IGNORE_INDEX, _check_image_tokens
 from paligemma_lib.resume import (
     latest_checkpoint,
@@ -453,17 +453,20 @@ def _progress_bar(config: TrainConfig, start: int, progress: bool, rank: int):
     )
 
 # %% ../book/11b_training.ipynb #83fafc35
-def _step_model(model: nn.Module, config: TrainConfig, world_size: int):
-    "The module each step calls: `model`, or `model` through torch.compile"
-    if not config.compile:
-        return model
-    if world_size > 1:
+def _step_model(model, config: TrainConfig, world_size: int, device="cpu"):
+    """The module each step calls: `model` as `data_parallel` wraps or shards
+    it, then through torch.compile with config.compile"""
+    if config.compile and (world_size > 1 or config.fsdp):
         raise ValueError(
-            f"compile=True trains in one process, not {world_size}: leave "
-            "out --compile under torchrun (DDP and FSDP run eagerly here)"
+            f"compile=True trains in one process without FSDP; this run has "
+            f"{world_size} process(es), fsdp={config.fsdp}: leave out "
+            "--compile under torchrun (DDP and FSDP run eagerly here)"
         )
-    # one graph: the step checks token values on the host (`_check_on_host`)
-    return torch.compile(model, fullgraph=True)
+    dtype = autocast_dtype(device)
+    stepped = data_parallel(model, device, world_size, config.fsdp, dtype)
+    if config.compile:  # one graph: token values are checked on the host
+        stepped = torch.compile(stepped, fullgraph=True)
+    return stepped
 
 
 def train(
@@ -508,10 +511,7 @@ def train(
     set_gradient_checkpointing(model, config.gradient_checkpointing)
     _check_run(config, out_dir, resume, workers)
     # FSDP replaces the parameters: the optimiser must see the sharded ones
-    ddp = data_parallel(
-        model, device, world_size, config.fsdp, autocast_dtype(device)
-    )
-    stepped = _step_model(ddp, config, world_size)  # compiled, if asked
+    stepped = _step_model(model, config, world_size, device)
     optimizer = make_optimizer(model, config.lr, config.weight_decay)
     scheduler = make_scheduler(
         optimizer, config.warmup_steps, config.steps, config.min_lr_ratio

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_train import DATA, collate, toy_model
 
-from paligemma_lib.gemma import _InputsChecked
+from paligemma_lib.input_checks import _InputsChecked
 from paligemma_lib.optimization import make_optimizer, make_scheduler
 from paligemma_lib.train import (
     TrainConfig,
@@ -140,8 +140,13 @@ def test_train_with_compile_trains_the_model_it_was_given():
 
 
 def test_compile_is_refused_under_torchrun_and_may_change_on_resume():
-    with pytest.raises(ValueError, match="one process, not 2.*leave out --compile"):
+    with pytest.raises(
+        ValueError,
+        match="one process without FSDP; this run has 2 process.*leave out --compile",
+    ):
         _step_model(toy_model(), TrainConfig(compile=True), world_size=2)
+    with pytest.raises(ValueError, match="without FSDP.*fsdp=True"):
+        _step_model(toy_model(), TrainConfig(compile=True, fsdp=True), world_size=1)
     stored = {"config": vars(TrainConfig(compile=False)), "num_examples": 64}
     _check_resumable(stored, TrainConfig(compile=True), 64, "ckpt")  # no error
     with pytest.raises(ValueError, match="seed: 0 -> 1"):

@@ -32,6 +32,7 @@ MODULES = {
     "image_processing": "",
     "siglip": "The SigLIP vision tower: patches, attention, the encoder.",
     "gemma": "",
+    "input_checks": "",
     "tokenization": "",
     "processing": "",
     "model_files": "",

@@ -10,13 +10,17 @@ builds them (the train command's own parser reads the recipe's flags):
 
 - data: the DataLoader's workers building batches (the scenes drawn, their answers'
   tokens, the pictures' bytes), with no model at all;
-- step: `training_step` on batches already on the device, again and again: the kernels
-  and the host-side Python that launches them, with no data to wait for;
+- step: `training_step` on two batches built once, again and again: their copy to the
+  device, the kernels and the host-side Python that launches them, with no data to
+  wait for;
 - loop: both together, as `train` runs them.
 
 The slower of data and step bounds the loop. `torch.profiler` over a few steps then
 splits a step: the device's time by kernel (the heaviest ones), and how much of the
-step's wall time the device was busy at all. The part writes `profile.json`.
+step's wall time the device was busy at all. Step, loop and profile are measured twice:
+`eager`, as the shipped runs trained, and `compiled`, `train --compile`'s step (one
+torch.compile graph; its compilation timed apart, in the warm-up steps). The part
+writes `profile.json`.
 """
 
 import argparse
@@ -113,12 +117,14 @@ def data_rate(batches, workers: int, steps: int, warm: int) -> float:
     return steps * batches.config.batch_size / (time.perf_counter() - start)
 
 
-def step_rate(parts, device, steps: int, warm: int) -> tuple[float, list]:
-    "Examples a second of training_step on resident batches; the batches used"
+def step_rate(parts, device, steps: int, warm: int) -> tuple[float, list, float]:
+    """Examples a second of training_step on two batches built once, kept in host
+    memory as the workers hand them over; the batches; the warm-up's seconds"""
     from paligemma_lib.train import training_step
 
     model, batches, optimizer, scheduler, scaler = parts
-    resident = [[b.to(device) for b in batches[i]] for i in range(2)]
+    resident = [batches[i] for i in range(2)]
+    began = time.perf_counter()
     for i in range(warm):
         training_step(model, resident[i % 2], optimizer, scheduler, 1.0, device,
                       scaler=scaler)  # fmt: skip
@@ -129,7 +135,8 @@ def step_rate(parts, device, steps: int, warm: int) -> tuple[float, list]:
                       scaler=scaler)  # fmt: skip
     sync(device)
     size = batches.config.batch_size
-    return steps * size / (time.perf_counter() - start), resident
+    rate = steps * size / (time.perf_counter() - start)
+    return rate, resident, start - began
 
 
 def loop_rate(parts, device, workers: int, steps: int, warm: int) -> float:
@@ -194,20 +201,27 @@ def kernels(parts, resident, device, steps: int) -> dict:
 
 
 def profile_recipe(flags, device, workers: int, steps: int, warm: int, batch=None):
-    "The three rates and the profile of one recipe"
+    """The data rate, and the step's and the loop's rates and profile for the eager
+    step and then the compiled one (the same model and optimiser, trained on)"""
+    from paligemma_lib.train import TrainConfig, _step_model
+
     args = parsed(flags, 10**6, batch)  # steps: the schedule's length only
     parts = pieces(args, device)
     size = parts[1].config.batch_size
     data = data_rate(parts[1], workers, steps, warm)
-    step, resident = step_rate(parts, device, steps, warm)
-    loop = loop_rate(parts, device, workers, steps, warm)
-    result = {
-        "batch size": size, "workers": workers, "steps timed": steps,
-        "data examples/s": round(data, 1), "step examples/s": round(step, 1),
-        "loop examples/s": round(loop, 1),
-        "bound by": "data" if data < step else "step",
-    }  # fmt: skip
-    return result | kernels(parts, resident, device, max(2, steps // 4))
+    result = {"batch size": size, "workers": workers, "steps timed": steps,
+              "data examples/s": round(data, 1)}  # fmt: skip
+    for name in ("eager", "compiled"):
+        if name == "compiled":  # train --compile's step
+            parts = (_step_model(parts[0], TrainConfig(compile=True), 1), *parts[1:])
+        step, resident, warming = step_rate(parts, device, steps, warm)
+        loop = loop_rate(parts, device, workers, steps, warm)
+        result[name] = {
+            "warm-up s": round(warming, 1), "step examples/s": round(step, 1),
+            "loop examples/s": round(loop, 1),
+            "bound by": "data" if data < step else "step",
+        } | kernels(parts, resident, device, max(2, steps // 4))  # fmt: skip
+    return result
 
 
 def profile(run, budget: float) -> dict:
@@ -216,7 +230,7 @@ def profile(run, budget: float) -> dict:
 
     device = torch.device("cpu" if run.rehearse else "cuda")
     workers = 1 if run.rehearse else max(1, (os.cpu_count() or 2) - 1)
-    steps, warm = (2, 1) if run.rehearse else (20, 5)
+    steps, warm = (2, 2) if run.rehearse else (20, 5)  # warm: both shapes compiled
     batch = 2 if run.rehearse else None
     begin, result = time.time(), {}
     if PACKED.is_dir():  # on the GPU machine, the real pictures carried there
