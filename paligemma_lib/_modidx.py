@@ -752,6 +752,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                       'paligemma_lib/segment_eval.py'),
                                             'paligemma_lib.segment_eval.target_losses': ( 'segmentation.html#target_losses',
                                                                                           'paligemma_lib/segment_eval.py')},
+            'paligemma_lib.segment_recipes': { 'paligemma_lib.segment_recipes._boxes_example': ( 'segmentation.html#_boxes_example',
+                                                                                                 'paligemma_lib/segment_recipes.py')},
             'paligemma_lib.segmentation': { 'paligemma_lib.segmentation.MaskVAE': ( 'segmentation.html#maskvae',
                                                                                     'paligemma_lib/segmentation.py'),
                                             'paligemma_lib.segmentation.MaskVAE.__init__': ( 'segmentation.html#maskvae.__init__',

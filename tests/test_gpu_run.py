@@ -270,8 +270,8 @@ def test_the_segment_part_runs_the_recipes_asked_for_from_the_adapter_asked_for(
     runs = gpu_run.segment_runs(env)
     loc = [*gpu_run.SEGMENT_LORA, "--lora-tokens", "seg,loc"]
     assert runs == {"lora": gpu_run.SEGMENT_LORA, "loc": loc}
-    with pytest.raises(ValueError, match="choose among lora, rows, loc, low"):
-        gpu_run.segment_runs({"GPU_SEGMENT_RUNS": "lora,boxes"})
+    with pytest.raises(ValueError, match="choose among lora, rows, loc, low, boxes"):
+        gpu_run.segment_runs({"GPU_SEGMENT_RUNS": "lora,sails"})
 
 
 def test_the_shipped_segment_adapter_has_the_shape_the_part_trains():

@@ -65,6 +65,7 @@ MODULES = {
     "segmentation": "",
     "mask_vae_training": "",
     "segment_eval": "",
+    "segment_recipes": "",
     "real_images": "",
     "real_recipes": "",
     "resolution": "",

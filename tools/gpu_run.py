@@ -130,7 +130,11 @@ SEGMENT_RECIPES = {"lora": SEGMENT_LORA,
                    # going on from a trained adapter, a gentler rate: on the CPU,
                    # 40 steps of 8 from the shipped one graded 0.48 at 2e-3 and
                    # 0.54 at 5e-4 on 16 validation scenes (the shipped: 0.57)
-                   "low": [*SEGMENT_LORA[:-1], "5e-4"]}  # fmt: skip
+                   "low": [*SEGMENT_LORA[:-1], "5e-4"],
+                   # issue 49 section 3: the boxes world (chapter 12.1) mixed in,
+                   # detect on the same scenes; its --worlds replaces the part's
+                   "boxes": [*SEGMENT_LORA, "--worlds",
+                             "segments=0.75,boxes=0.25"]}  # fmt: skip
 # each call goes on from the shipped adapter (issue 49 section 4): GPU_SEGMENT_FROM
 # names another (a folder), or "none" for new adapters; GPU_SEGMENT_RUNS picks the
 # recipes run side by side (default lora,rows)

@@ -148,9 +148,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# segments: chapter 12.1; clothing, handwriting, naming, pen: 12.2 (real pictures);
-# detail: 11.4 (small text and shapes, drawn at 448)
-WORLDS = ("shapes", "ocr", "receipts", "segments", "clothing", "handwriting",
+# segments, boxes: chapter 12.1; clothing, handwriting, naming, pen: 12.2 (real
+# pictures); detail: 11.4 (small text and shapes, drawn at 448)
+WORLDS = ("shapes", "ocr", "receipts", "segments", "boxes", "clothing", "handwriting",
           "naming", "pen", "detail")  # fmt: skip
 
 
@@ -183,17 +183,19 @@ def parse_worlds(text: str) -> dict:
 def import_data():
     "The synthetic worlds (chapter 11), imported only by the commands that need them"
     try:
-        # segmentation adds "segments", real_images "clothing", "handwriting",
-        # real_recipes "naming", "pen", small_detail "detail"
+        # segmentation adds "segments", segment_recipes "boxes", real_images
+        # "clothing", "handwriting", real_recipes "naming", "pen", small_detail "detail"
         from .. import (  # noqa: F401
             data,
             real_images,
             real_recipes,
+            segment_recipes,
             segmentation,
             small_detail,
         )
     except ModuleNotFoundError as e:
-        ours = ("data", "segmentation", "real_images", "real_recipes", "small_detail")
+        ours = ("data", "segmentation", "segment_recipes", "real_images",
+                "real_recipes", "small_detail")  # fmt: skip
         if e.name not in [f"paligemma_lib.{m}" for m in ours]:
             raise
         raise ValueError(
