@@ -101,7 +101,7 @@ def first_step(model, compiled: bool):
     grads = {}
     optimizer.register_step_pre_hook(
         lambda *_: grads.update(
-            {n: p.grad.clone() for n, p in model.named_parameters()}
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         )
     )
     stepped = _step_model(model, TrainConfig(compile=compiled), 1)
@@ -122,6 +122,32 @@ def test_the_compiled_step_computes_the_eager_step():
     for name, g in eager[2].items():
         # the same reorderings; atol: entries whose terms cancel to ~0
         torch.testing.assert_close(compiled[2][name], g, rtol=rtol, atol=1e-7)
+
+
+def test_the_compiled_step_computes_the_eager_step_with_lora_and_token_rows():
+    "the segment recipes' shape: LoRA on every linear layer and trained token rows"
+    from paligemma_lib.lora import LoraConfig, add_lora
+    from paligemma_lib.trainable_tokens import add_trainable_tokens
+
+    model = toy_model()
+    add_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+    add_trainable_tokens(model, [3, 5, 7], torch.float32)
+    for p in model.parameters():  # LoRA's B starts at 0: give it values to test
+        if p.requires_grad:
+            torch.nn.init.normal_(
+                p, std=0.02, generator=torch.Generator().manual_seed(0)
+            )
+    eager = first_step(copy.deepcopy(model), compiled=False)
+    compiled = first_step(model, compiled=True)
+    rtol = 4 * 1792 * 2**-24  # as in the test above
+    assert compiled[0] == pytest.approx(eager[0], rel=rtol)
+    assert compiled[1] == pytest.approx(eager[1], rel=rtol)
+    rows = "language_model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+    assert rows in eager[2] and all("lora_" in n for n in eager[2] if n != rows)
+    for name, g in eager[2].items():  # the trained ones only
+        torch.testing.assert_close(
+            compiled[2][name], g, rtol=rtol, atol=1e-7
+        )  # as above
 
 
 def test_train_with_compile_trains_the_model_it_was_given():
