@@ -19,8 +19,10 @@ The slower of data and step bounds the loop. `torch.profiler` over a few steps t
 splits a step: the device's time by kernel (the heaviest ones), and how much of the
 step's wall time the device was busy at all. Step, loop and profile are measured twice:
 `eager`, as the shipped runs trained, and `compiled`, `train --compile`'s step (one
-torch.compile graph; its compilation timed apart, in the warm-up steps). The part
-writes `profile.json`.
+torch.compile graph; its compilation timed apart, in the warm-up steps). The eager step
+is timed once more at twice the batch: a rate that nearly doubles says the step is
+bound by launching its kernels, not by their arithmetic. The part writes
+`profile.json`.
 """
 
 import argparse
@@ -221,7 +223,22 @@ def profile_recipe(flags, device, workers: int, steps: int, warm: int, batch=Non
             "loop examples/s": round(loop, 1),
             "bound by": "data" if data < step else "step",
         } | kernels(parts, resident, device, max(2, steps // 4))  # fmt: skip
+        if name == "eager":  # twice the examples a step: near twice the rate
+            # when the step is bound by its launches, not by its arithmetic
+            double = (parts[0], doubled(parts[1]), *parts[2:])
+            twice, _, _ = step_rate(double, device, steps, warm)
+            result[name]["step examples/s at twice the batch"] = round(twice, 1)
     return result
+
+
+def doubled(batches):
+    "The same StepBatches with batches twice as large"
+    from dataclasses import replace
+
+    from paligemma_lib.batching import StepBatches
+
+    config = replace(batches.config, batch_size=2 * batches.config.batch_size)
+    return StepBatches(batches.dataset, batches.collate, config)
 
 
 def profile(run, budget: float) -> dict:
