@@ -150,12 +150,32 @@ def test_the_compiled_step_computes_the_eager_step_with_lora_and_token_rows():
         )  # as above
 
 
-def test_train_with_compile_trains_the_model_it_was_given():
+class Counted(torch.nn.Module):
+    "What torch.compile returned, its forward calls counted"
+
+    def __init__(self, compiled):
+        super().__init__()
+        self.compiled, self.calls = compiled, 0
+        self.config = compiled.config  # the host's checks read it
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.compiled(*args, **kwargs)
+
+
+def test_train_with_compile_trains_the_model_it_was_given(monkeypatch):
     config = TrainConfig(steps=2, batch_size=4, warmup_steps=1, lr=1e-3)
     eager = train(toy_model(), DATA, collate, config, progress=False)
     config.compile, model = True, toy_model()
     start = copy.deepcopy(model.state_dict())
+    made, compile = [], torch.compile
+    monkeypatch.setattr(
+        torch,
+        "compile",
+        lambda m, **kw: made.append(Counted(compile(m, **kw))) or made[-1],
+    )
     compiled = train(model, DATA, collate, config, progress=False)
+    assert len(made) == 1 and made[0].calls == 2  # every step ran the compiled module
     # the first step's loss and norm come before any update: as in the test above
     rtol = 4 * 1792 * 2**-24
     for key in ("loss", "grad_norm"):
