@@ -331,3 +331,34 @@ def test_the_data_rate_is_timed_past_the_batches_built_ahead(monkeypatch):
     monkeypatch.undo()
     source = inspect.getsource(paligemma_lib.batching.step_batches)
     assert f"prefetch_factor={gpu_profile.PREFETCH}" in source
+
+
+def test_a_compiled_step_that_fails_keeps_the_eager_numbers(monkeypatch):
+    "A GPU's minutes are few: Inductor failing there must not lose the eager profile"
+    import types
+
+    import gpu_profile
+
+    import paligemma_lib.train
+
+    batches = types.SimpleNamespace(config=types.SimpleNamespace(batch_size=8))
+    monkeypatch.setattr(gpu_profile, "parsed", lambda *a: None)
+    monkeypatch.setattr(gpu_profile, "pieces", lambda *a: ("model", batches, 1, 2, 3))
+    monkeypatch.setattr(gpu_profile, "data_rate", lambda *a: 100.0)
+    monkeypatch.setattr(gpu_profile, "doubled", lambda b: b)
+    monkeypatch.setattr(gpu_profile, "step_rate", lambda *a: (90.0, [], 0.0))
+    monkeypatch.setattr(paligemma_lib.train, "_step_model", lambda *a: "compiled")
+
+    def rates(parts, *args):
+        if parts[0] == "compiled":
+            raise RuntimeError("Inductor says no")
+        return {"step examples/s": 50.0}
+
+    monkeypatch.setattr(gpu_profile, "rates", rates)
+    result = gpu_profile.profile_recipe([], "cpu", workers=1, steps=2, warm=1)
+    assert result["eager"] == {
+        "step examples/s": 50.0,
+        "step examples/s at twice the batch": 90.0,
+    }
+    assert result["compiled"] == {"error": "RuntimeError: Inductor says no"}
+    assert result["data examples/s"] == 100.0

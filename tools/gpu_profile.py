@@ -216,19 +216,27 @@ def profile_recipe(flags, device, workers: int, steps: int, warm: int, batch=Non
     for name in ("eager", "compiled"):
         if name == "compiled":  # train --compile's step
             parts = (_step_model(parts[0], TrainConfig(compile=True), 1), *parts[1:])
-        step, resident, warming = step_rate(parts, device, steps, warm)
-        loop = loop_rate(parts, device, workers, steps, warm)
-        result[name] = {
-            "warm-up s": round(warming, 1), "step examples/s": round(step, 1),
-            "loop examples/s": round(loop, 1),
-            "bound by": "data" if data < step else "step",
-        } | kernels(parts, resident, device, max(2, steps // 4))  # fmt: skip
+        try:
+            result[name] = rates(parts, device, workers, steps, warm, data)
+        except Exception as error:  # the eager numbers stay, the part goes on
+            result[name] = {"error": f"{type(error).__name__}: {error}"[:600]}
         if name == "eager":  # twice the examples a step: near twice the rate
             # when the step is bound by its launches, not by its arithmetic
             double = (parts[0], doubled(parts[1]), *parts[2:])
             twice, _, _ = step_rate(double, device, steps, warm)
             result[name]["step examples/s at twice the batch"] = round(twice, 1)
     return result
+
+
+def rates(parts, device, workers: int, steps: int, warm: int, data: float) -> dict:
+    "The step's and the loop's rates, and the profile, of one way of stepping"
+    step, resident, warming = step_rate(parts, device, steps, warm)
+    loop = loop_rate(parts, device, workers, steps, warm)
+    return {
+        "warm-up s": round(warming, 1), "step examples/s": round(step, 1),
+        "loop examples/s": round(loop, 1),
+        "bound by": "data" if data < step else "step",
+    } | kernels(parts, resident, device, max(2, steps // 4))  # fmt: skip
 
 
 def doubled(batches):
