@@ -362,3 +362,32 @@ def test_a_compiled_step_that_fails_keeps_the_eager_numbers(monkeypatch):
     }
     assert result["compiled"] == {"error": "RuntimeError: Inductor says no"}
     assert result["data examples/s"] == 100.0
+
+
+def test_the_profile_counts_each_kernels_device_time_once():
+    "An operator's device time is its kernels': summing both would count it twice"
+    import types
+
+    import gpu_profile
+    import torch
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(key, kind, host, device):
+        return types.SimpleNamespace(key=key, device_type=kind, count=1,
+                                     self_cpu_time_total=host,
+                                     self_device_time_total=device)  # fmt: skip
+
+    events = [
+        event("aten::mm", cpu, 30, 500),
+        event("nvjet_gemm", cuda, 0, 500),
+        event("triton_poi_fused", cuda, 0, 200),
+        event("aten::add", cpu, 9, 0),
+    ]
+    on_gpu = gpu_profile.own_times(events, on_device=True)
+    assert [(e.key, us) for e, us in on_gpu] == [
+        ("nvjet_gemm", 500),
+        ("triton_poi_fused", 200),
+    ]
+    on_cpu = gpu_profile.own_times(events, on_device=False)
+    assert [(e.key, us) for e, us in on_cpu] == [("aten::mm", 30), ("aten::add", 9)]
