@@ -391,3 +391,16 @@ def test_the_profile_counts_each_kernels_device_time_once():
     ]
     on_cpu = gpu_profile.own_times(events, on_device=False)
     assert [(e.key, us) for e, us in on_cpu] == [("aten::mm", 30), ("aten::add", 9)]
+
+
+def test_the_training_parts_compile_only_when_asked():
+    "GPU_TRAIN_COMPILE=1 adds train --compile to every run; eager by default"
+    from gpu_driver import compile_flags
+
+    assert compile_flags({}) == compile_flags({"GPU_TRAIN_COMPILE": "0"}) == []
+    env = {"GPU_SEGMENT_RUNS": "lora,boxes", "GPU_TRAIN_COMPILE": "1"}
+    for flags in gpu_run.segment_runs(env).values():
+        assert flags[-1] == "--compile" and flags.count("--compile") == 1
+    assert all("--compile" not in f for f in gpu_run.segment_runs({}).values())
+    with pytest.raises(ValueError, match="GPU_TRAIN_COMPILE=yes: use 1"):
+        compile_flags({"GPU_TRAIN_COMPILE": "yes"})

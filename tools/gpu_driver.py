@@ -18,6 +18,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SELECTION_SPLIT = "validation"  # the only split a choice may read
 
 
+def compile_flags(env) -> list[str]:
+    """GPU_TRAIN_COMPILE=1: the GPU parts train with `train --compile` (chapter 11.2),
+    once the `profile` part has shown that it pays; unset or 0: eagerly, as the
+    shipped models trained"""
+    value = env.get("GPU_TRAIN_COMPILE", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"GPU_TRAIN_COMPILE={value}: use 1 (compile) or 0 (eager)")
+    return ["--compile"] if value == "1" else []
+
+
 class Driver:
     "One tool's launcher, log and output folder"
 

@@ -131,7 +131,7 @@ def join_pieces(first_piece: Path) -> bytes:
 
 def real(run, budget: float) -> dict:
     "The part: unpack the pictures, calibrate, train, send the model back"
-    from gpu_driver import Driver
+    from gpu_driver import Driver, compile_flags
 
     chosen, flags = recipe()  # an unknown recipe stops here, before any work
     if chosen != "base" and not run.rehearse and not os.environ.get("GPU_REAL_STEPS"):
@@ -147,7 +147,7 @@ def real(run, budget: float) -> dict:
     run.say(f"real: pictures unpacked in {time.time() - begin:.0f} s")
     size = 2 if run.rehearse else 128
     workers = 1 if run.rehearse else max(1, os.cpu_count() - 1)
-    base = [*flags, "--workers", str(workers)]
+    base = [*flags, "--workers", str(workers), *compile_flags(os.environ)]
     # GPU_REAL_FROM=nano-real: go on from the shipped model (a new schedule), for
     # more steps than one call's ten minutes hold
     base[base.index("--model") + 1] = os.environ.get("GPU_REAL_FROM", "nano")

@@ -34,6 +34,9 @@ to DIR as soon as it has results, so that a run cut short returns what it did:
    one file, for --ingest to decide on (tools/gpu_ingest.py).
 4. speed: benchmarks/gpu.py --short at PaliGemma-3B's shapes (random bf16 weights).
 
+GPU_TRAIN_COMPILE=1 makes the segment and real parts train with `train --compile`
+(chapter 11.2); they train eagerly otherwise, as the shipped models did.
+
 Three parts run only when asked for (--only): `real`, nano-real's training (a call of
 its own, tools/gpu_real.py); `stage2`, nano's stage 2 at 448 beside a control at 224
 (a call of its own, tools/gpu_stage2.py); `profile`, where a training step of both
@@ -143,6 +146,8 @@ SEGMENT_FROM = "segment"
 
 def segment_runs(env=os.environ) -> dict:
     "The segment part's runs: {name: the train command's flags}"
+    from gpu_driver import compile_flags
+
     names = env.get("GPU_SEGMENT_RUNS", "lora,rows").split(",")
     unknown = [n for n in names if n not in SEGMENT_RECIPES]
     if unknown or not names:
@@ -152,6 +157,7 @@ def segment_runs(env=os.environ) -> dict:
         )
     start = env.get("GPU_SEGMENT_FROM", SEGMENT_FROM)
     origin = [] if start == "none" else ["--from-adapter", start]
+    origin += compile_flags(env)  # GPU_TRAIN_COMPILE=1: train --compile
     return {name: [*SEGMENT_RECIPES[name], *origin] for name in names}
 
 
