@@ -62,16 +62,17 @@ def test_the_boxes_recipe_trains_both_worlds_from_the_shipped_adapter():
     from paligemma_lib.cli.options import parse_worlds
     from paligemma_lib.cli.train import add_train_parser
 
-    runs = gpu_run.segment_runs({"GPU_SEGMENT_RUNS": "lora,boxes"})
+    runs = gpu_run.segment_runs({"GPU_SEGMENT_RUNS": "low,boxes"})
     base = ["--model", "nano", "--worlds", "segments=1", "--out", "x", "--steps", "9"]
     parser = argparse.ArgumentParser()
     add_train_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["train", *base, *runs["boxes"]])
     assert parse_worlds(args.worlds) == {"segments": 0.75, "boxes": 0.25}
     assert args.from_adapter == "segment" and args.lora
-    lora = parser.parse_args(["train", *base, *runs["lora"]])
-    assert parse_worlds(lora.worlds) == {"segments": 1.0}
-    for name in ("lr", "lora_r", "lora_alpha", "lora_targets"):
-        assert getattr(args, name) == getattr(lora, name)  # only the mix differs
+    low = parser.parse_args(["train", *base, *runs["low"]])
+    assert parse_worlds(low.worlds) == {"segments": 1.0}
+    for name in ("lr", "lora_r", "lora_alpha", "lora_targets", "from_adapter"):
+        assert getattr(args, name) == getattr(low, name)  # only the mix differs
+    assert args.lr == 5e-4
     with pytest.raises(ValueError, match="unknown world 'box'"):
         parse_worlds("segments=0.75,box=0.25")

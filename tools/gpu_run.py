@@ -134,9 +134,11 @@ SEGMENT_RECIPES = {"lora": SEGMENT_LORA,
                    # 40 steps of 8 from the shipped one graded 0.48 at 2e-3 and
                    # 0.54 at 5e-4 on 16 validation scenes (the shipped: 0.57)
                    "low": [*SEGMENT_LORA[:-1], "5e-4"],
-                   # issue 49 section 3: the boxes world (chapter 12.1) mixed in,
-                   # detect on the same scenes; its --worlds replaces the part's
-                   "boxes": [*SEGMENT_LORA, "--worlds",
+                   # issue 49 section 3: `low` with the boxes world (chapter 12.1)
+                   # mixed in, detect on the same scenes (its --worlds replaces the
+                   # part's); at 2e-3, 2 rehearsal steps made the shipped adapter
+                   # answer segment prompts with boxes alone
+                   "boxes": [*SEGMENT_LORA[:-1], "5e-4", "--worlds",
                              "segments=0.75,boxes=0.25"]}  # fmt: skip
 # each call goes on from the shipped adapter (issue 49 section 4): GPU_SEGMENT_FROM
 # names another (a folder), or "none" for new adapters; GPU_SEGMENT_RUNS picks the
