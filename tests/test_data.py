@@ -16,6 +16,8 @@ import torch
 from PIL import Image, ImageChops, ImageDraw
 
 import paligemma_lib.real_images  # noqa: F401, E402  (adds clothing, handwriting)
+import paligemma_lib.real_recipes  # noqa: F401, E402  (adds naming, pen)
+import paligemma_lib.segment_recipes  # noqa: F401, E402  (adds boxes)
 import paligemma_lib.segmentation  # noqa: F401, E402  (adds the segments world)
 import paligemma_lib.small_detail  # noqa: F401, E402  (adds detail)
 from paligemma_lib.boxes import parse_loc_tokens
@@ -126,7 +128,7 @@ def test_splits_are_disjoint_and_inside_a_world():
 def test_worlds_and_mixing_never_share_a_generator_seed():
     starts = sorted([*WORLD_OFFSETS.values(), MIX_OFFSET])
     # chapters 12.1, 12.2 and 11.4
-    later = {"segments", "clothing", "handwriting", "naming", "pen", "detail"}
+    later = {"segments", "boxes", "clothing", "handwriting", "naming", "pen", "detail"}
     assert set(WORLD_OFFSETS) == {*WORLDS, *later}
     assert all(b - a >= SEEDS_PER_WORLD for a, b in zip(starts, starts[1:]))
 
