@@ -436,7 +436,9 @@ class SyntheticDataset(Dataset):
 
     worlds: a world ("shapes") or weights ({"shapes": 0.7, "ocr": 0.3},
     normalised). split: "train", "validation" or "test"; example i has seed
-    SPLITS[split][i]. size: how many examples (the whole split when None).
+    SPLITS[split][start + i]. size: how many examples (the rest of the split
+    when None). start: the split's first index taken (a grade on test starts
+    where no earlier grade read).
     task: with a single world, every example asks this task (see make_example).
 
     No need to shuffle: consecutive seeds are already independent random draws,
@@ -444,7 +446,9 @@ class SyntheticDataset(Dataset):
     shuffle=True over the train split: its sampler would build a permutation of
     all 10**9 indices first."""
 
-    def __init__(self, worlds="shapes", split="train", size=None, task=None):
+    def __init__(
+        self, worlds="shapes", split="train", size=None, task=None, start=0
+    ):
         weights = {worlds: 1.0} if isinstance(worlds, str) else dict(worlds)
         if not weights:
             raise ValueError("no worlds: give one, or weights of several")
@@ -459,11 +463,17 @@ class SyntheticDataset(Dataset):
             raise ValueError(
                 f"unknown split {split!r}; the splits are {list(SPLITS)}"
             )
-        self.seeds = SPLITS[split]
+        if not 0 <= operator.index(start) <= len(SPLITS[split]):
+            raise ValueError(
+                f"start {start}: the {split} split has {len(SPLITS[split])} "
+                "seeds"
+            )
+        self.seeds, self.start = SPLITS[split][start:], start
         size = len(self.seeds) if size is None else operator.index(size)
         if not 0 <= size <= len(self.seeds):
             raise ValueError(
                 f"size {size}: the {split} split has {len(self.seeds)} seeds"
+                + (f" from index {start}" if start else "")
             )
         if task is not None and len(weights) != 1:
             raise ValueError(
@@ -483,6 +493,7 @@ class SyntheticDataset(Dataset):
             f"{w}: {p:.2f}" for w, p in zip(self.worlds, self.weights)
         )
         task = f", task={self.task!r}" if self.task else ""
+        task += f", start={self.start}" if self.start else ""
         return (
             f"SyntheticDataset({{{mix}}}, split={self.split!r}, "
             f"size={self.size}{task})"

@@ -623,3 +623,17 @@ def test_collator_labels_only_on_the_answers():
         Collator(processor)([])
     with pytest.raises(ValueError):
         Collator(processor, max_length=processor.num_image_tokens + 3)([data[0]])
+
+
+def test_a_data_set_may_start_past_the_splits_first_index():
+    "start=k: example i is example k + i of the split, the same triple"
+    from paligemma_lib.data import SPLITS, SyntheticDataset
+
+    window = SyntheticDataset("ocr", "test", size=3, start=7)
+    whole = SyntheticDataset("ocr", "test", size=10)
+    for i in range(3):
+        assert window.example(i).seed == SPLITS["test"][7 + i]
+        assert window[i][1:] == whole[7 + i][1:]
+    assert "start=7" in repr(window)
+    with pytest.raises(ValueError, match="from index 9999"):
+        SyntheticDataset("ocr", "validation", size=2, start=9999)

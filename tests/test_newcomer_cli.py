@@ -98,8 +98,28 @@ def test_record_goes_into_the_adapters_record(run, scripted, tmp_path):
         f"metrics added to {adapter / 'training_record.json'}"
     )
     added = json.loads((adapter / "training_record.json").read_text())
-    assert added["evaluations"]["ocr/test"]["examples"] == 2
+    assert added["evaluations"]["ocr/validation"]["examples"] == 2
+    assert added["evaluations"]["ocr/validation"]["indices"] == [0, 1]
     assert (model / "training_record.json").read_text() == '{"steps": 1}\n'
+
+
+def test_evaluate_grades_validation_unless_told_and_start_picks_the_window(
+    run, scripted, tmp_path
+):
+    "A grade on test is asked for, and says which indices it read"
+    model = shutil.copytree(scripted["model"], tmp_path / "model")
+    (model / "training_record.json").write_text('{"steps": 1}\n')
+    result = run("evaluate", "--model", model, "--record", "--world", "ocr",
+                 "--split", "test", "--start", "5", "--limit", "2",
+                 "--max-new-tokens", "2")  # fmt: skip
+    assert result.code == 0, result
+    assert "(test, 2 examples from index 5)" in result.out
+    added = json.loads((model / "training_record.json").read_text())
+    assert added["evaluations"]["ocr/test 5-6"]["indices"] == [5, 6]
+    one_error_line(run("evaluate", "--model", model, "--world", "ocr",
+                       "--start", "9999", "--limit", "2"),  # fmt: skip
+                   "--start 9999 --limit 2: the validation split's indices run "
+                   "from 0 to 9,999")
 
 
 # 3. a segment prompt, or the segments world, without an adapter that taught it
@@ -524,7 +544,7 @@ def test_a_fully_transparent_picture_gets_a_note(run, scripted, tmp_path, alpha,
 def test_a_size_beyond_the_split_names_its_flag(run):
     "§12: evaluate --limit (and train's sizes) beyond a split's seeds"
     one_error_line(run("evaluate", "--world", "shapes", "--limit", "100000000"),
-                   "--limit 100000000: the test split has 10,000 seeds",
+                   "--limit 100000000: the validation split has 10,000 seeds",
                    "give --limit 10000 or less")  # fmt: skip
 
 

@@ -6,6 +6,7 @@ never seen. The ingest runs whole here with fake graders that record what they r
 import copy
 import inspect
 import json
+import re
 import statistics
 import sys
 import tarfile
@@ -199,11 +200,46 @@ def test_the_ledger_holds_the_test_scenes_that_chose_or_graded():
     "The history as it happened: segments 1000-2499, the real worlds' first ones"
     book = ship_rules.read_ledger()
     assert ship_rules.fresh_start(book, ["segments"]) == 2500
-    for world, stop in [("clothing", 406), ("handwriting", 599), ("shapes", 49),
-                        ("ocr", 199)]:  # fmt: skip
+    for world, stop in [("clothing", 406), ("handwriting", 599), ("shapes", 5299),
+                        ("ocr", 5299), ("receipts", 5299)]:  # fmt: skip
         assert ship_rules.fresh_start(book, [world]) == stop + 1, world
     for entry in book["test ranges spent"]:
         assert entry["start"] <= entry["stop"] and entry["by"] and entry["for"]
+    # the ranges that chose (nano's learning rate, the receipts adapter's targets)
+    for world, stop in [("shapes", 479), ("ocr", 199), ("receipts", 199)]:
+        assert ship_rules.overlapping(book, world, 0, stop), world
+
+
+def reads_test(value) -> bool:
+    """Whether a record (parsed JSON) holds a grade on a world's test split: a
+    "split": "test", an "evaluations" key naming test, or "<world> test a-b"."""
+    if isinstance(value, dict):
+        if value.get("split") == "test":
+            return True
+        if any("test" in key for key in value.get("evaluations", {})):
+            return True
+        return any(reads_test(v) for v in value.values())
+    if isinstance(value, list):
+        return any(reads_test(v) for v in value)
+    return isinstance(value, str) and re.fullmatch(r"[a-z]+ test \d+-\d+", value)
+
+
+def test_every_record_that_read_test_is_in_the_ledger():
+    """A grade on test, shipped or not, is named by a ledger entry: otherwise
+    fresh_start would hand its examples to the next grade as unseen"""
+    named = " ".join(e["by"] for e in ship_rules.read_ledger()["test ranges spent"])
+    folders = [ROOT / "benchmarks/results", ROOT / "paligemma_lib/assets"]
+    records = [p for folder in folders for p in sorted(folder.rglob("*.json"))]
+    assert len(records) > 20  # the folders were found
+    missing = [
+        str(path.relative_to(ROOT))
+        for path in records
+        if path != ship_rules.LEDGER
+        and path.parent.name != "mask_vae"  # its own seeds, no world's test split
+        and reads_test(json.loads(path.read_text()))
+        and str(path.relative_to(ROOT)) not in named
+    ]
+    assert not missing, f"records that graded test, not in the ledger: {missing}"
 
 
 # --- the segment ingest, whole, with a fake grader ---

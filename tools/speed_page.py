@@ -613,7 +613,7 @@ def gpu_run_t4(t4: dict) -> str:
         f"peak {recipe['peak_memory_bytes'] / GIB:.2f} GiB, "
         f"{recipe['skipped_steps']} of them skipped by the scaler; the loss fell from "
         f"{recipe['loss_first_5']:.2f} to {recipe['loss_last_5']:.2f}. On "
-        f"{recipe['test']}:",
+        f"{recipe.get('validation') or recipe['test']}:",  # test until 2026-11-27
         table(["field", "accuracy"], rows),
     ]
     if lora:

@@ -50,9 +50,17 @@ def add_evaluate_parser(commands) -> None:
     )
     ev.add_argument(
         "--split",
-        default="test",
+        default="validation",
         choices=("train", "validation", "test"),
-        help="which seeds: the test split was never trained on",
+        help="which seeds (default: validation, where choices are made); test "
+        "was never trained on: grade it once, after choosing, with --start past "
+        "every earlier grade",
+    )
+    ev.add_argument(
+        "--start",
+        type=int,
+        default=0,
+        help="the split's first index evaluated (default: 0)",
     )
     ev.add_argument("--limit", type=int, default=200, help="examples to evaluate")
     ev.add_argument("--batch-size", type=int, default=16, help="examples at a time")
@@ -80,6 +88,13 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
 
     at_least(args, limit=1, batch_size=1, max_new_tokens=1)
     check_split_size("--limit", args.limit, args.split)
+    check_split_size("--start", args.start, args.split)
+    if args.start < 0 or args.start + args.limit > len(data_splits()[args.split]):
+        raise ValueError(
+            f"--start {args.start} --limit {args.limit}: the {args.split} split's "
+            f"indices run from 0 to {len(data_splits()[args.split]) - 1:,}; give a "
+            "--start of 0 or more and a window within them"
+        )
     check_device(args.device)
     check_model(args.model, used=[args.adapter])
     check_quantize(args)
@@ -96,7 +111,7 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
     model = load_pretrained(args.model, device=device, quantize=args.quantize)
     model = with_adapter(model, args, device)
     dataset = data.SyntheticDataset(
-        worlds={args.world: 1.0}, split=args.split, size=args.limit
+        worlds={args.world: 1.0}, split=args.split, size=args.limit, start=args.start
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TruncatedAnswerWarning)
@@ -129,12 +144,21 @@ def evaluate_command(args: argparse.Namespace, argv) -> int:
         predictions = [row["prediction"] for row in rows]
         metrics["segment"] |= segment_metrics(examples, predictions)
     adapter = f" with adapter {args.adapter}" if args.adapter is not None else ""
-    print(f"{args.model}{adapter} on {args.world} ({args.split}, {len(rows)} examples)")
+    where = f"{args.split}, {len(rows)} examples"
+    if args.start:
+        where += f" from index {args.start}"
+    print(f"{args.model}{adapter} on {args.world} ({where})")
     print(format_metrics(metrics))
     if args.record:
         where = add_evaluation(args, argv, len(rows), metrics)
         print(f"metrics added to {where}")
     return 0
+
+
+def data_splits() -> dict:
+    from ..data import SPLITS
+
+    return SPLITS
 
 
 def record_path(args) -> Path:
@@ -166,8 +190,12 @@ def add_evaluation(args, argv, examples: int, metrics: dict) -> Path:
     record = json.loads(record_file.read_text())
     command = " ".join(["python -m paligemma_lib", *map(str, argv)])
     evaluations = record.setdefault("evaluations", {})
-    evaluations[f"{args.world}/{args.split}"] = {
+    key = f"{args.world}/{args.split}"
+    if args.start:  # another window of the split: a key of its own
+        key += f" {args.start}-{args.start + examples - 1}"
+    evaluations[key] = {
         "command": command,
+        "indices": [args.start, args.start + examples - 1],
         "examples": examples,
         "metrics": metrics,
     }
