@@ -39,9 +39,25 @@ class _InputsChecked:
         _InputsChecked.active = self.was
 
 
+def _check_token_ids_shape(input_ids):
+    """Raise a clear error unless `input_ids` is a tensor [B, S] (its shape
+    only: no value is read, so it runs within `_InputsChecked` too)"""
+    if not isinstance(input_ids, torch.Tensor):
+        got = f"a {type(input_ids).__name__}"
+    elif input_ids.ndim != 2:
+        got = f"a tensor of shape {list(input_ids.shape)}"
+    else:
+        return
+    raise ValueError(
+        f"input_ids must be a [batch, seq] LongTensor of token ids, not {got};"
+        " for one sequence use ids[None] or torch.tensor([ids])"
+    )
+
+
 def _check_token_ids(input_ids: torch.Tensor, vocab_size: int):
-    """Raise a clear error unless `input_ids` are integers from 0 to vocab_size
-    - 1"""
+    """Raise a clear error unless `input_ids` is [B, S] of integers from 0 to
+    vocab_size - 1"""
+    _check_token_ids_shape(input_ids)
     if input_ids.is_floating_point():
         raise ValueError(
             f"input_ids has dtype {input_ids.dtype}; token ids must be "

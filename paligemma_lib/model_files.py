@@ -88,9 +88,21 @@ def hub_cache() -> Path:
 
 
 def _complete(snapshot: Path) -> bool:
-    "A snapshot with a config, a tokenizer and weights (one file or an index)"
-    names = ("config.json", "tokenizer.model")
-    return all((snapshot / name).is_file() for name in names)
+    """A snapshot with a tokenizer, a config and weights: model.safetensors,
+    or an index whose every shard is present (a download stopped half-way
+    has only some of them)"""
+    if not all(
+        (snapshot / f).is_file() for f in ("tokenizer.model", "config.json")
+    ):
+        return False
+    if (snapshot / "model.safetensors").is_file():
+        return True
+    index = snapshot / "model.safetensors.index.json"
+    try:  # a file that is not an index counts as a download not complete
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return bool(shards) and all((snapshot / s).is_file() for s in shards)
 
 # %% ../book/09_loading_real_weights.ipynb #ba2e2348
 def cached_snapshots(

@@ -13,7 +13,7 @@ import torch
 from .config import PaliGemmaConfig
 from .gemma import GemmaForCausalLM, additive_mask
 from .image_processing import normalize_levels
-from .input_checks import _InputsChecked
+from .input_checks import _check_token_ids_shape, _InputsChecked
 from .siglip import SiglipVisionModel
 from torch import nn
 
@@ -208,6 +208,7 @@ class PaliGemmaForConditionalGeneration(nn.Module):
     ) -> PaliGemmaOutput:
         """Logits of all positions (or the last `logits_to_keep`); the loss
         given labels"""
+        _check_token_ids_shape(input_ids)  # a clear error for [S] or a list
         B, S = input_ids.shape
         past = kv_cache.get_seq_length() if kv_cache is not None else 0
         if attention_mask is None:  # no padding

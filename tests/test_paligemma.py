@@ -334,6 +334,21 @@ def test_wrong_number_of_image_tokens_is_a_clear_error():
         model(ids, torch.randn(1, 3, 28, 28))
 
 
+def test_input_ids_must_be_a_batch_tensor():
+    """1-D, 3-D or list input_ids: the error names [batch, seq] and the fix, before
+    any shape is unpacked; within _InputsChecked too (the shape reads no value)"""
+    from paligemma_lib.input_checks import _InputsChecked
+
+    model = PaliGemmaForConditionalGeneration(tiny_config()).eval()
+    row = [IMAGE] * 4 + [2, 5, 108]
+    fix = r"\[batch, seq\] LongTensor .*ids\[None\] or torch.tensor\(\[ids\]\)"
+    for bad in (torch.tensor(row), torch.tensor([[row]]), [row]):
+        with pytest.raises(ValueError, match=fix):
+            model(bad, torch.randn(1, 3, 28, 28))
+        with _InputsChecked(), pytest.raises(ValueError, match=fix):
+            model(bad, torch.randn(1, 3, 28, 28))
+
+
 def test_image_tokens_are_counted_row_by_row():
     "Five <image> tokens in one row and three in the other: the right total, an error"
     model = PaliGemmaForConditionalGeneration(tiny_config()).eval()

@@ -585,6 +585,39 @@ def make_hub_cache(cache, repo="models--google--paligemma-3b-pt-224"):
     return {branch: cache / repo / "snapshots" / c for branch, c in commits.items()}
 
 
+def test_finder_passes_over_snapshots_without_weights(tmp_path, monkeypatch):
+    """A snapshot counts only with its weights: a bfloat16 download stopped after
+    config.json and tokenizer.model, or an index with a shard missing, is passed
+    over for a complete one (the files' contents are not read by the finder)"""
+    from paligemma_lib.model_files import cached_snapshots
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("PALIGEMMA_WEIGHTS", raising=False)
+    repo = cache / "models--google--paligemma-3b-pt-224"
+    (repo / "refs").mkdir(parents=True)
+    snapshots = {}
+    for branch, commit in {"main": "1" * 40, "bfloat16": "2" * 40}.items():
+        snapshots[branch] = repo / "snapshots" / commit
+        snapshots[branch].mkdir(parents=True)
+        (snapshots[branch] / "config.json").write_text("{}")
+        (snapshots[branch] / "tokenizer.model").write_bytes(b"")
+        (repo / "refs" / branch).write_text(commit)
+    assert find_real_checkpoint() is None  # no weights anywhere
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    (snapshots["main"] / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": shards[0], "b": shards[1]}})
+    )
+    (snapshots["main"] / shards[0]).write_bytes(b"")
+    assert find_real_checkpoint() is None  # one shard of two
+    (snapshots["main"] / shards[1]).write_bytes(b"")
+    # the bfloat16 snapshot, preferred, has no weights: main's is taken
+    assert cached_snapshots(cache) == [snapshots["main"]]
+    assert find_real_checkpoint() == snapshots["main"]
+    (snapshots["bfloat16"] / "model.safetensors").write_bytes(b"")
+    assert find_real_checkpoint() == snapshots["bfloat16"]
+
+
 def chapter_cell(cell_id, notebook="book/09_loading_real_weights.ipynb"):
     "The source of one code cell of a chapter, to run the chapter's own code here"
     root = Path(__file__).resolve().parents[1]
@@ -606,12 +639,42 @@ def test_finder_and_comparison_on_a_fake_hub_cache(tmp_path, monkeypatch):
 
     namespace = {}
     exec(chapter_cell("c046c"), namespace)  # the chapter's comparison, as it is
-    ours, theirs, our_tokens, their_tokens = namespace["compare_with_transformers"](
+    compare = namespace["compare_with_transformers"]
+    ours, theirs, our_tokens, their_tokens, near_tie = compare(
         find_real_checkpoint(), max_new_tokens=4
     )
     # float32 at full size: as the chapter's TOLERANCE (cell c046c) says
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     assert torch.equal(our_tokens, their_tokens) and our_tokens.shape[0] == 2
+    assert near_tie.shape == our_tokens.shape and near_tie.dtype == torch.bool
+
+
+def test_near_ties_marks_the_steps_whose_two_best_logits_may_swap():
+    """The chapter's near_ties (cell c046c): step t's logits are those at position
+    S - 1 + t; a tie is a top-2 gap within 2 tolerance (1 + |best|)"""
+    from types import SimpleNamespace
+
+    namespace = {}
+    exec(chapter_cell("c046c"), namespace)
+    S, T = 3, 3
+    logits = torch.zeros(1, S + T, 4)
+    logits[0, S - 1 :, 0] = 10.0  # the best logit of each step
+    # gaps 1.0, 0.1, 0.3 to the second best; the bound is 2 x 0.01 x 11 = 0.22
+    logits[0, S - 1 : S - 1 + T, 1] = torch.tensor([9.0, 9.9, 9.7])
+
+    def model(**kwargs):
+        assert kwargs["input_ids"].shape == (1, S + T)
+        return SimpleNamespace(logits=logits)
+
+    inputs = {
+        name: torch.zeros(1, S, dtype=torch.long)
+        for name in ("input_ids", "attention_mask", "token_type_ids")
+    }
+    inputs["pixel_values"] = None
+    tokens = torch.zeros(1, T, dtype=torch.long)
+    # a made-up tolerance: the bound above, 2 x 0.01 x (1 + 10) = 0.22
+    near_tie = namespace["near_ties"](model, inputs, tokens, tolerance=0.01)
+    assert near_tie.tolist() == [[False, True, False]]
 
 
 @pytest.mark.parametrize(
@@ -714,9 +777,8 @@ def test_finder_takes_paligemma2_snapshots_and_the_comparison_runs_on_one(
     assert hf["text_config"]["model_type"] == "gemma2"
     namespace = {}
     exec(chapter_cell("c046c"), namespace)  # the chapter's comparison, as it is
-    ours, theirs, our_tokens, their_tokens = namespace["compare_with_transformers"](
-        folder, max_new_tokens=4
-    )
+    compare = namespace["compare_with_transformers"]
+    ours, theirs, our_tokens, their_tokens, near_tie = compare(folder, max_new_tokens=4)
     # float32 at full size: as the chapter's TOLERANCE (cell c046c) says
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     assert torch.equal(our_tokens, their_tokens) and our_tokens.shape[0] == 2
