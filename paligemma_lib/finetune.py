@@ -2,8 +2,9 @@
 
 # %% auto #0
 __all__ = ['KEYS', 'EXAMPLE_LINE', 'MAX_REPORTED', 'DATA_FILE', 'CORD_PROMPT',
-           'JsonlError', 'find_jsonl', 'check_record', 'read_jsonl',
-           'JsonlDataset', 'write_jsonl', 'cord_answer', 'cord_to_jsonl']
+           'JsonlError', 'find_jsonl', 'check_record', 'check_length',
+           'read_jsonl', 'JsonlDataset', 'write_jsonl', 'cord_answer',
+           'cord_to_jsonl']
 
 # %% ../book/12_fine_tuning.ipynb #c003
 import json
@@ -16,7 +17,8 @@ from torch.utils.data import Dataset
 
 __doc__ = """Fine-tuning data (chapter 12): `JsonlDataset` reads a folder of
 images and a JSONL file of {"image", "prefix", "suffix"} lines, checking every
-line first; `write_jsonl` writes one; `cord_to_jsonl` converts CORD-v2 receipts
+line first (given a processor and the model's positions, its length too);
+`write_jsonl` writes one; `cord_to_jsonl` converts CORD-v2 receipts
 to it."""
 
 # %% ../book/12_fine_tuning.ipynb #c012
@@ -96,6 +98,23 @@ def check_record(record, folder: Path) -> tuple[Path, str, str]:
         ) from None
     return image, record["prefix"], record["suffix"]
 
+# %% ../book/12_fine_tuning.ipynb #c013L
+def check_length(prefix: str, suffix: str, processor, max_positions: int):
+    """A JsonlError unless the example's tokens, as `processor` lays them out
+    (image tokens, <bos>, prefix, newline, suffix, <eos>), fit the model's
+    `max_positions` (its config.text.max_position_embeddings)"""
+    prompt = len(processor.encode_prefix(prefix))
+    answer = len(processor.encode_suffix(suffix))
+    if prompt + answer > max_positions:
+        raise JsonlError(
+            f"{prompt + answer} tokens, {prompt + answer - max_positions} "
+            f"over the model's {max_positions} positions "
+            f"(max_position_embeddings): {processor.num_image_tokens} image "
+            f"tokens, {prompt - processor.num_image_tokens} for <bos>, the "
+            f"prefix and its newline, {answer} for the suffix and <eos>; "
+            "shorten the suffix or the prefix, or remove the line"
+        )
+
 # %% ../book/12_fine_tuning.ipynb #bf5d8772
 def _read_utf8(file: Path) -> str:
     "The text of `file`, UTF-8 with or without a byte-order mark"
@@ -118,27 +137,42 @@ def _bad_lines_error(file: Path, problems: list[str]) -> JsonlError:
         f"{len(problems)} bad line(s) in {file}:\n" + "\n".join(listed)
     )
 
+# %% ../book/12_fine_tuning.ipynb #c014c
+def _check_line(line: str, folder: Path, processor, max_positions) -> tuple:
+    """One JSONL line -> (image path, prefix, suffix), or a JsonlError; its
+    length is checked when a processor is given"""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise JsonlError(
+            f"not valid JSON ({e.msg}, column {e.colno}); each line must be "
+            f"one object such as {EXAMPLE_LINE}"
+        ) from None
+    image, prefix, suffix = check_record(record, folder)
+    if processor is not None:
+        check_length(prefix, suffix, processor, max_positions)
+    return image, prefix, suffix
+
 # %% ../book/12_fine_tuning.ipynb #c014
-def read_jsonl(path) -> list[tuple[Path, str, str]]:
+def read_jsonl(path, processor=None, max_positions=None) -> list[tuple]:
     """Every line of the JSONL file of `path` (see find_jsonl), checked ->
     [(image path, prefix, suffix)]; a JsonlError naming the file and line of
-    each problem found"""
+    each problem found. With a processor and the model's max_positions, each
+    example must fit them too (see check_length)."""
+    if (processor is None) != (max_positions is None):
+        raise ValueError(
+            "give both processor and max_positions (the model's "
+            "config.text.max_position_embeddings) to check the examples' "
+            "lengths, or neither"
+        )
     file = find_jsonl(path)
     records, problems = [], []
     for number, line in enumerate(_read_utf8(file).splitlines(), 1):
         if not line.strip():
             continue  # blank lines, such as one at the end, are allowed
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(
-                f"{file}, line {number}: not valid JSON ({e.msg}, column "
-                f"{e.colno}); each line must be one object such as "
-                f"{EXAMPLE_LINE}"
-            )
-            continue
-        try:
-            records.append(check_record(record, file.parent))
+            record = _check_line(line, file.parent, processor, max_positions)
+            records.append(record)
         except JsonlError as e:
             problems.append(f"{file}, line {number}: {e}")
     if problems:
@@ -152,13 +186,14 @@ def read_jsonl(path) -> list[tuple[Path, str, str]]:
 # %% ../book/12_fine_tuning.ipynb #c015
 class JsonlDataset(Dataset):
     """(PIL RGB image, prefix, suffix) triples from a JSONL data folder (or
-    file), each line checked when the dataset is made (see read_jsonl); the
-    images are read when an example is asked for. Works with
+    file), each line checked when the dataset is made (see read_jsonl: with
+    the processor and the model's max_positions, its length too); the images
+    are read when an example is asked for. Works with
     paligemma_lib.data.Collator and train."""
 
-    def __init__(self, path):
+    def __init__(self, path, processor=None, max_positions: int | None = None):
         self.file = find_jsonl(path)
-        self.records = read_jsonl(self.file)
+        self.records = read_jsonl(self.file, processor, max_positions)
 
     def __len__(self) -> int:
         return len(self.records)

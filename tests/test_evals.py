@@ -70,7 +70,7 @@ def test_readme_numbers_are_the_fresh_evaluation(page):
     cer = nano["ocr"]["ocr"]["character error rate"]
     receipts = fresh["receipts"]["metrics"]["receipt"]["exact match"]
     first, last = fresh["test indices"]
-    assert f"test seeds {first}-{last}" in readme
+    assert f"test examples {first}-{last}" in readme
     assert f"captions {caption:.0%} exactly" in readme
     assert f"counts {count} of {n} right" in readme
     assert colour == 1.0 and "names every colour" in readme

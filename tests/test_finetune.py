@@ -23,6 +23,7 @@ from paligemma_lib.finetune import (
     write_jsonl,
 )
 from paligemma_lib.lora import LoraConfig, add_lora, lora_state_dict
+from paligemma_lib.model_files import read_json, resolve_model_path
 from paligemma_lib.paligemma import PaliGemmaForConditionalGeneration
 from paligemma_lib.processing import PaliGemmaProcessor
 from paligemma_lib.tokenization import GemmaTokenizer, default_tokenizer_path
@@ -203,6 +204,44 @@ def test_the_folder_and_the_file_are_checked(folder, tmp_path):
     (folder / "latin.jsonl").write_bytes(latin)  # é is one byte, 0xe9: not UTF-8
     with pytest.raises(JsonlError, match="not UTF-8 text .* save it as UTF-8"):
         read_jsonl(folder / "latin.jsonl")
+
+
+# --- lengths against the model's positions ---
+
+
+def test_a_line_too_long_for_the_models_positions_is_refused(folder):
+    file = write_lines(folder, [line(), line(suffix="red " * 100), line()])
+    dataset = JsonlDataset(folder)  # no processor, no limit: not checked
+    # the count checked is the length of the batch the collator makes
+    long = Collator(PROCESSOR)([dataset[1]]).input_ids.shape[1]
+    assert Collator(PROCESSOR)([dataset[0]]).input_ids.shape[1] < long
+    # at the limit it fits; one position fewer and it is refused, by exactly one
+    assert len(JsonlDataset(folder, PROCESSOR, long)) == 3
+    with pytest.raises(JsonlError) as caught:
+        JsonlDataset(folder, PROCESSOR, long - 1)
+    head, reported = str(caught.value).splitlines()
+    assert head == f"1 bad line(s) in {file}:"
+    assert reported.startswith(f"{file}, line 2: {long} tokens, 1 over the model's")
+    assert f"{long - 1} positions (max_position_embeddings)" in reported
+    assert f"{PROCESSOR.num_image_tokens} image tokens" in reported
+    assert "shorten the suffix or the prefix, or remove the line" in reported
+
+
+def test_the_nano_model_refuses_a_2000_character_answer(folder):
+    "The audit's case: 512 positions, 196 of them image tokens"
+    processor = PaliGemmaProcessor.from_pretrained("nano")
+    limit = read_json(resolve_model_path("nano") / "config.json")["text_config"][
+        "max_position_embeddings"
+    ]
+    write_lines(folder, [line(), line(suffix="1.00 " * 400)])
+    with pytest.raises(JsonlError, match=f"line 2: .* over the model's {limit} "):
+        JsonlDataset(folder, processor, limit)
+
+
+def test_the_length_check_needs_both_the_processor_and_the_limit(folder):
+    for args in [(PROCESSOR, None), (None, 512)]:
+        with pytest.raises(ValueError, match="give both processor and max_positions"):
+            JsonlDataset(folder, *args)
 
 
 # --- CORD-v2 ---

@@ -116,10 +116,20 @@ def test_evaluate_grades_validation_unless_told_and_start_picks_the_window(
     assert "(test, 2 examples from index 5)" in result.out
     added = json.loads((model / "training_record.json").read_text())
     assert added["evaluations"]["ocr/test 5-6"]["indices"] == [5, 6]
-    one_error_line(run("evaluate", "--model", model, "--world", "ocr",
-                       "--start", "9999", "--limit", "2"),  # fmt: skip
-                   "--start 9999 --limit 2: the validation split's indices run "
-                   "from 0 to 9,999")
+    one_error_line(
+        run(
+            "evaluate",
+            "--model",
+            model,
+            "--world",
+            "ocr",
+            "--start",
+            "9999",
+            "--limit",
+            "2",
+        ),  # fmt: skip
+        "--start 9999 --limit 2: the validation split's indices run from 0 to 9,999",
+    )
 
 
 # 3. a segment prompt, or the segments world, without an adapter that taught it
@@ -573,3 +583,19 @@ def test_draw_into_a_folder_says_it_is_a_folder(run, tmp_path):
     line = one_error_line(run("generate", *args, "--draw", tmp_path / "pictures"),
                           "is a folder; give a file name")  # fmt: skip
     assert "extension" not in line
+
+
+@pytest.mark.parametrize("model", [["--model", "nano", "--lora"], ["--config", "nano"]])
+def test_train_data_refuses_a_line_longer_than_the_models_positions(
+    run, tmp_path, model
+):
+    "A 2,000-character answer makes 2,204 of nano's 512 positions: refused"
+    from paligemma_lib.data import SyntheticDataset
+    from paligemma_lib.finetune import write_jsonl
+
+    image, prompt, _ = SyntheticDataset({"receipts": 1}, "train", size=1)[0]
+    write_jsonl([(image, prompt, "x" * 2000)], tmp_path / "mine")
+    result = run("train", *model, "--data", tmp_path / "mine", "--steps", "1",
+                 "--out", tmp_path / "out", "--no-progress")  # fmt: skip
+    one_error_line(result, "line 1: 2204 tokens, 1692 over the model's 512 positions",
+                   "196 image tokens")  # fmt: skip

@@ -51,6 +51,26 @@ def test_the_readme_speed_sentence_is_the_record():
     assert parts["device"].startswith("NVIDIA H100") and "NVIDIA H100" in readme
 
 
+def test_the_readme_h200_sentence_is_the_pages_h200_record():
+    "The README's H200 figures are the page's H200 table: the same record"
+    (h200,) = [name for name, _ in speed_page.GPU_DECODES
+               if speed_page.record(name)["device"] == "NVIDIA H200"]  # fmt: skip
+    parts = speed_page.record(h200)["sections"]
+    ours = parts["decode ours compiled, batch 1"]["ms_per_step"]
+    theirs = parts["decode transformers static compiled, batch 1"]["ms_per_step"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    page = " ".join(speed_page.PAGE.read_text().split())
+    sentence = (
+        f"on an H200, {ours:.2f} ms against its {theirs:.2f}, "
+        f"{theirs / ours:.2f} times as fast."
+    )
+    assert sentence in readme
+    # and the page shows the same three figures, from the same record
+    assert f"| ours, compiled (CUDA graphs) | {ours:.2f} |" in page
+    assert f"| `transformers`, static cache, compiled | {theirs:.2f} |" in page
+    assert f"ours is {theirs / ours:.2f} times as fast" in page
+
+
 def test_the_int8_figures_say_at_which_widths_they_hold():
     """Issue 33: measured 512 wide, where a layer's weights stay in the CPU's caches;
     a reader must not carry them to PaliGemma's 2048"""

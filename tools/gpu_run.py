@@ -26,12 +26,13 @@ to DIR as soon as it has results, so that a run cut short returns what it did:
    time, examples per second, peak memory and metrics on 96 validation receipts;
    then a LoRA step of PaliGemma-3B's shapes (random weights) under the same cap, its
    frozen weights in float32 (what `pick_device` gives a T4) and in float16.
-3. segment: the `segment` adapter's recipe at a GPU's scale beside the same adapter
-   with the <seg> rows trained (chapter 12.1's comparison), each going on from the
-   shipped adapter (`train --from-adapter segment`; GPU_SEGMENT_FROM, GPU_SEGMENT_RUNS
-   and `segment_runs` say how to change that), side by side for the same
-   minutes; the choice on validation scenes 0-63; the chosen adapter comes back as
-   one file, for --ingest to decide on (tools/gpu_ingest.py).
+3. segment: two recipes of the `segment` adapter at a GPU's scale (by default `low`
+   and `boxes`: the shipped recipe at a quarter of its rate, without and with the
+   boxes world), each going on from the shipped adapter (`train --from-adapter
+   segment`; GPU_SEGMENT_FROM, GPU_SEGMENT_RUNS and `segment_runs` say how to
+   change that), side by side for the same minutes; the choice on validation
+   scenes 0-63; the chosen adapter comes back as one file, for --ingest to decide
+   on (tools/gpu_ingest.py).
 4. speed: benchmarks/gpu.py --short at PaliGemma-3B's shapes (random bf16 weights).
 
 GPU_TRAIN_COMPILE=1 makes the segment and real parts train with `train --compile`
@@ -142,7 +143,11 @@ SEGMENT_RECIPES = {"lora": SEGMENT_LORA,
                              "segments=0.75,boxes=0.25"]}  # fmt: skip
 # each call goes on from the shipped adapter (issue 49 section 4): GPU_SEGMENT_FROM
 # names another (a folder), or "none" for new adapters; GPU_SEGMENT_RUNS picks the
-# recipes run side by side (default lora,rows)
+# recipes run side by side. Default low,boxes: going on from the shipped adapter at
+# 2e-3 undid it on the CPU (above), and 300 steps of 8 from it (validation scenes
+# 0-39, 2026-11-27) graded 0.606 at 5e-4 (`low`), 0.592 with `boxes` and 0.618 at
+# 1e-4 against the shipped adapter's 0.649: no CPU continuation beat it, so the GPU
+# tries the gentler rate, with and without the boxes world, for thousands of steps
 SEGMENT_FROM = "segment"
 
 
@@ -150,7 +155,7 @@ def segment_runs(env=os.environ) -> dict:
     "The segment part's runs: {name: the train command's flags}"
     from gpu_driver import compile_flags
 
-    names = env.get("GPU_SEGMENT_RUNS", "lora,rows").split(",")
+    names = env.get("GPU_SEGMENT_RUNS", "low,boxes").split(",")
     unknown = [n for n in names if n not in SEGMENT_RECIPES]
     if unknown or not names:
         raise ValueError(

@@ -129,13 +129,39 @@ def batch_workers(asked: int | None, device: torch.device) -> int:
     return max(0, min(8, (os.cpu_count() or 1) - 1))
 
 
+def length_limits(args: argparse.Namespace) -> tuple:
+    """(processor, the model's positions): what an example's tokens must fit,
+    for --model's checkpoint or a new --config model, read before it loads"""
+    from ..model_files import resolve_model_path
+    from ..processing import PaliGemmaProcessor
+    from ..tokenization import GemmaTokenizer, default_tokenizer_path
+    from ..training_run import model_config
+    from ..weights import _read_config
+
+    if args.model is not None:
+        processor = PaliGemmaProcessor.from_pretrained(args.model)
+        config = _read_config(resolve_model_path(args.model))[1]
+    else:  # as training_model lays out a new model's prompts
+        tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
+        config = model_config(args.config, tokenizer)
+        processor = PaliGemmaProcessor(
+            tokenizer,
+            image_size=config.vision.image_size,
+            num_image_tokens=config.num_image_tokens,
+        )
+    return processor, config.text.max_position_embeddings
+
+
 def datasets(args: argparse.Namespace, worlds: dict) -> tuple:
     "(training set, validation set or None): --data's examples, or the worlds'"
     if args.data is not None:  # checked line by line before the model loads
         from ..finetune import JsonlDataset
 
-        validation = None if args.eval_data is None else JsonlDataset(args.eval_data)
-        return JsonlDataset(args.data), validation
+        limits = length_limits(args)  # and each line's length against the model
+        validation = (
+            None if args.eval_data is None else JsonlDataset(args.eval_data, *limits)
+        )
+        return JsonlDataset(args.data, *limits), validation
     data = import_data()
     return (
         data.SyntheticDataset(worlds=worlds, split="train", size=args.train_size),
