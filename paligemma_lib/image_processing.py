@@ -14,8 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 __doc__ = """Images in (chapter 1): `load_image` (any common image file -> RGB)
 and `process_images` (resize to a square, scale to [-1, 1]), or the same in
@@ -74,7 +73,8 @@ def _read_image_file(source) -> Image.Image:
         with Image.open(path) as opened:
             # decode now, so a truncated file fails here, not later
             opened.load()
-            return opened.copy()
+            # upright, as the camera's EXIF Orientation tag says to show it
+            return ImageOps.exif_transpose(opened)
     except Image.DecompressionBombError as e:
         raise ValueError(too_many_pixels(path, e)) from None
     except UnidentifiedImageError:
@@ -91,7 +91,8 @@ def _read_image_file(source) -> Image.Image:
 # %% ../book/01_images_to_patches.ipynb #099911e4
 def load_image(source) -> Image.Image:
     """A path or PIL image -> a fully decoded 8-bit RGB PIL image, or a clear
-    error"""
+    error. A file is turned upright by its EXIF Orientation tag; an image
+    given in memory is taken as it is"""
     if isinstance(source, str) and re.match(r"[A-Za-z][\w+.-]*://", source):
         raise ValueError(
             f"{source} is a URL: only local files are read; download it "
@@ -142,20 +143,28 @@ IMAGE_STD = (0.5, 0.5, 0.5)
 RESAMPLE = ("bicubic", "bilinear")
 
 
+def _half_pixel_taps(n_in: int, n_out: int):
+    """TensorFlow's bilinear taps, in float32 as it computes them: the lower
+    and upper source index, and the weight of the upper"""
+    scale = torch.tensor(n_in, dtype=torch.float32) / n_out
+    x = (torch.arange(n_out, dtype=torch.float32) + 0.5) * scale - 0.5
+    lower, upper = x.floor(), x.ceil().clamp(max=n_in - 1).long()
+    return lower.clamp(min=0).long(), upper, x - lower
+
+
 def resize_bilinear(pixels: torch.Tensor, image_size: int) -> torch.Tensor:
-    """big_vision's resize: bilinear, half-pixel centres, no antialias, then
-    the cast back to uint8. [3, h, w] of 0..255 -> [3, image_size, image_size],
-    whole levels"""
-    resized = F.interpolate(
-        pixels[None].double(),  # float64: the floor below sees the exact value
-        size=(image_size, image_size),
-        mode="bilinear",
-        align_corners=False,
-        antialias=False,
-    )[0]
-    # tf.cast to uint8 truncates. The 1e-9 absorbs float64 rounding only: exact
-    # values sit at least 1 / (4 * image_size**2) away from the next integer.
-    return torch.floor(resized + 1e-9).clamp(0, 255).float()
+    """big_vision's resize: tf.image.resize (bilinear, half-pixel centres, no
+    antialias) in float32, step by step in TensorFlow's order, then its cast
+    to uint8. [3, h, w] of 0..255 -> [3, image_size, image_size], whole
+    levels"""
+    (y0, y1, ly), (x0, x1, lx) = (
+        _half_pixel_taps(n, image_size) for n in pixels.shape[1:]
+    )
+    top, bottom = pixels.float()[:, y0], pixels.float()[:, y1]  # [3, S, w]
+    top = top[:, :, x0] + (top[:, :, x1] - top[:, :, x0]) * lx
+    bottom = bottom[:, :, x0] + (bottom[:, :, x1] - bottom[:, :, x0]) * lx
+    resized = top + (bottom - top) * ly[:, None]  # [3, S, S]
+    return resized.floor().clamp(0, 255)  # tf.cast to uint8 truncates
 
 # %% ../book/01_images_to_patches.ipynb #35eee31e
 def resize_to_square(image: Image.Image, image_size: int, resample: str):

@@ -10,6 +10,7 @@ __all__ = ['PaliGemmaBatch', 'pad_sequences', 'PaliGemmaProcessor']
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 from paligemma_lib.image_processing import (
     IMAGE_MEAN,
@@ -127,13 +128,42 @@ def _as_texts(texts, what: str) -> list[str]:
     return texts
 
 
-def _as_images(images) -> list:
-    "One image (a path or a PIL image) or a list of them -> a list"
-    return (
-        [images]
-        if isinstance(images, (str, Path, Image.Image))
-        else list(images)
+_ACCEPTED_IMAGES = (
+    "an image is a path, a PIL image or a NumPy array of dtype uint8 "
+    "shaped [H, W] or [H, W, 3 or 4] (levels 0-255, channels last)"
+)
+
+
+def _as_image(image):
+    "A uint8 [H, W] or [H, W, 3|4] array -> a PIL image; arrays else refused"
+    if isinstance(image, torch.Tensor):
+        raise TypeError(
+            f"got a torch.Tensor of shape {list(image.shape)}: "
+            f"{_ACCEPTED_IMAGES}. Convert it, e.g. PIL.Image.fromarray("
+            "tensor.permute(1, 2, 0).numpy()) for uint8 [3, H, W], or give "
+            "a list of images, one per prompt"
+        )
+    if not isinstance(image, np.ndarray):
+        return image
+    channels_ok = image.ndim == 2 or (
+        image.ndim == 3 and image.shape[2] in (3, 4)
     )
+    if image.dtype != np.uint8 or not channels_ok:
+        raise ValueError(
+            f"got a NumPy array of shape {list(image.shape)} and dtype "
+            f"{image.dtype}: {_ACCEPTED_IMAGES}. Convert it (e.g. "
+            "PIL.Image.fromarray(levels.astype(np.uint8))), or give a "
+            "batch as a list of images, one per prompt"
+        )
+    return Image.fromarray(image)
+
+
+def _as_images(images) -> list:
+    "One image (a path, a PIL image, a uint8 array) or a list of them -> list"
+    single = (str, Path, Image.Image, np.ndarray, torch.Tensor)
+    if isinstance(images, single):
+        return [_as_image(images)]
+    return [_as_image(image) for image in images]
 
 
 def _check_counts(
@@ -300,7 +330,8 @@ class PaliGemmaProcessor:
     ) -> PaliGemmaBatch:
         """One sequence per (image, prompt[, suffix]), padded into a batch.
 
-        images: an image (path or PIL image) or a list, one per prompt.
+        images: an image (path, PIL image, or uint8 NumPy array [H, W] or
+            [H, W, 3|4]) or a list, one per prompt.
         prompts: a string or a list of strings: the task, e.g. "caption en".
         suffixes: for training, the answers the model should learn (a string or
         a

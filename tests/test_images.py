@@ -1,5 +1,7 @@
 """Chapter 1: images to pixel values, patch embedding, position embedding."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -121,6 +123,25 @@ def test_load_image_errors(tmp_path):
         process_images([])
 
 
+def test_load_image_turns_a_file_upright_by_its_exif_orientation(tmp_path):
+    from transformers.image_utils import load_image as reference_load_image
+
+    sideways = Image.fromarray(np.arange(72, dtype=np.uint8).reshape(4, 6, 3) * 3)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to show
+    sideways.save(tmp_path / "portrait.jpg", exif=exif, quality=95)
+    upright = load_image(tmp_path / "portrait.jpg")
+    assert upright.size == (4, 6)
+    reference = reference_load_image(str(tmp_path / "portrait.jpg"))
+    np.testing.assert_array_equal(np.asarray(upright), np.asarray(reference))
+    # an image handed over in memory is taken as it is
+    with Image.open(tmp_path / "portrait.jpg") as opened:
+        assert load_image(opened).size == (6, 4)
+    # a file with no tag is read as it is
+    sideways.save(tmp_path / "plain.jpg", quality=95)
+    assert load_image(tmp_path / "plain.jpg").size == (6, 4)
+
+
 def test_process_images_shape_range_and_formula():
     image = scene()
     pixels = process_images(image, image_size=28)
@@ -202,9 +223,16 @@ def test_embeddings_equal_transformers(config):
     x = torch.randn(2, 3, config.image_size, config.image_size)
     out = ours(x)
     assert out.shape == (2, config.num_image_tokens, config.hidden_size)
-    # float32, the same conv and addition, kernels may sum the 588 terms in other
-    # orders: ~1e-7 on outputs < 1
-    torch.testing.assert_close(out, theirs(x), atol=1e-6, rtol=0)
+    conv, p = ours.patch_embedding, config.patch_size
+    sizes = nn.functional.conv2d(x.abs(), conv.weight.abs(), conv.bias.abs(), stride=p)
+    n = config.num_channels * p * p
+    # float32, u = 2^-24: kernels may sum each patch's n = C p^2 products and the bias
+    # in other orders, each side within (n + 1) u of the exact sum, relative to the
+    # sum of the terms' sizes (the conv of |x| with |weights|, + |bias|); adding the
+    # position table (N(0, 1): outputs well above 1) rounds once more, u |out|
+    atol = 2 * 2**-24 * ((n + 1) * sizes.max() + out.abs().max()).item()
+    # rtol=0: the bound above is absolute, and whole
+    torch.testing.assert_close(out, theirs(x), atol=atol, rtol=0)
 
 
 def test_embeddings_add_the_position_of_each_patch():
@@ -289,8 +317,35 @@ def test_bilinear_is_the_half_pixel_rule_truncated_to_uint8(size):
     pixels = process_images(image, image_size=size, resample="bilinear")[0]
     levels = (pixels.double() + 1) * 255 / 2
     # whole levels: float32 pixels (error ~2^-24) times 127.5 is ~1e-5 of a level
-    torch.testing.assert_close(levels, exact.floor(), atol=1e-4, rtol=0)
+    torch.testing.assert_close(levels, levels.round(), atol=1e-4, rtol=0)
+    levels, truncated = levels.round(), exact.floor()
+    # float32 (u = 2^-24), as TensorFlow: a tap's position x < n_in takes 3 roundings
+    # (3 n_in u), a weight that far off moves a lerp by 255 times it, two lerps deep;
+    # the lerps round 7 values < 256 (255 u each). Away from whole levels by more, the
+    # result is the exact value truncated; near one, a level either side
+    near = (2 * 255 * 3 * max(image.size) + 7 * 255) * 2**-24
+    away = (exact - exact.round()).abs() > near
+    assert away.any() and torch.equal(levels[away], truncated[away])
+    assert ((levels - truncated).abs() <= 1).all()
     assert pixels.min() >= -1 and pixels.max() <= 1
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("name", ["noise", "smooth", "small"])
+def test_bilinear_equals_tensorflow_bit_for_bit(name):
+    # tests/fixtures/tf_bilinear_resize.npz: uint8 images and what TensorFlow 2.21 made
+    # of them, tf.cast(tf.image.resize(image, (s, s), "bilinear", antialias=False),
+    # tf.uint8), big_vision's resize (noise 45 x 61 -> 28, smooth 30 x 50 -> 56, small
+    # 16 x 19 -> 40); see tests/fixtures/README.md for the script that made it
+    stored = np.load(FIXTURES / "tf_bilinear_resize.npz")
+    image, expected = stored[f"{name}_image"], stored[f"{name}_resized"]
+    size = expected.shape[0]
+    levels = image_processing.image_levels(
+        Image.fromarray(image), size, resample="bilinear"
+    )[0].permute(1, 2, 0)  # [S, S, 3] uint8
+    np.testing.assert_array_equal(levels.numpy(), expected)
 
 
 def test_bilinear_does_not_antialias():

@@ -3,6 +3,7 @@
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -352,6 +353,52 @@ def test_images_as_paths_and_any_mode(tokenizer, tmp_path):
     from_pil = processor(images[0], "caption en")
     torch.testing.assert_close(from_path.pixel_values, from_pil.pixel_values)
     assert processor(images, [""] * 4).pixel_values.shape == (4, 3, 28, 28)
+
+
+def test_a_uint8_array_is_one_image(tokenizer, layout):
+    processor = PaliGemmaProcessor(tokenizer, image_size=28, num_image_tokens=4)
+    images = make_images()
+    rgb = np.asarray(images[0])  # [H, W, 3] uint8
+    assert rgb.dtype == np.uint8 and rgb.ndim == 3
+    from_array = processor(rgb, "caption en")
+    assert from_array.pixel_values.shape == (1, 3, 28, 28)
+    torch.testing.assert_close(
+        from_array.pixel_values, processor(images[0], "caption en").pixel_values
+    )
+    # grayscale [H, W] and RGBA [H, W, 4] take the usual conversion to RGB
+    for image in [images[0].convert("L"), images[0].convert("RGBA")]:
+        torch.testing.assert_close(
+            processor(np.asarray(image), "").pixel_values,
+            processor(image, "").pixel_values,
+        )
+    # a list of arrays, one per prompt
+    assert processor([rgb, rgb], ["", "x"]).pixel_values.shape == (2, 3, 28, 28)
+    # transformers' processor reads the same array to the same batch
+    ours, folder = layout
+    theirs = reference_processor(folder, 28, 4)
+    expected = theirs(images=rgb, text="caption en", return_tensors="pt")
+    got = PaliGemmaProcessor(ours, image_size=28, num_image_tokens=4)(rgb, "caption en")
+    assert_same_batch(got, expected, with_labels=False)
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (np.zeros((8, 8, 3), np.float32), ValueError),  # not 8-bit levels
+        (np.zeros((2, 8, 8, 3), np.uint8), ValueError),  # a stack of images
+        (np.zeros((3, 8, 8), np.uint8), ValueError),  # channels first
+        (torch.zeros(3, 8, 8, dtype=torch.uint8), TypeError),
+    ],
+)
+def test_other_arrays_are_refused_saying_what_is_accepted(tokenizer, bad, error):
+    processor = PaliGemmaProcessor(tokenizer, image_size=28, num_image_tokens=4)
+    with pytest.raises(error) as e:
+        processor(bad, "caption en")
+    message = str(e.value)
+    assert "uint8" in message and "[H, W, 3 or 4]" in message
+    assert "list of images" in message and "number of images" not in message
+    with pytest.raises(error):  # inside a list too
+        processor([bad], ["caption en"])
 
 
 def test_batch_is_a_mapping_and_moves(tokenizer):

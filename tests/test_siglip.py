@@ -210,10 +210,21 @@ def test_explicit_attention_equals_sdpa(dtype, masked):
         )
     out, weights = explicit_attention(q, k, v, attn_mask=mask, scale=0.4)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.4)
-    # bf16 (eps 2^-7): both sides round the scores, the softmax and the weighted sum to
-    # bf16 at different points, a couple of bf16 roundings of values < 4; float32: its
-    # default tolerance
-    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else {}
+    tol = {}  # float32: assert_close's default for float32
+    if dtype == torch.bfloat16:
+        q32, k32, v32 = q.float(), k.float(), v.float()
+        s_max = ((q32 @ k32.transpose(-2, -1)) * 0.4).abs().max()  # without the mask
+        u = 2.0**-8
+        # u = 2^-8 (bf16 keeps 8 significant bits). Errors D_j in the scores move the
+        # output by sum_j p_j (D_j - mean_p D) v_j: at most max|D| max|v|. We round the
+        # scores twice (q k^T, times the scale), a fused kernel up to three times (q
+        # and k scaled, their product): max|D| <= 5 u max|s|. Each side also rounds the
+        # probabilities (u sum_j p_j |v_j| <= u max|v|) and the output (u max|v|).
+        # rtol=0: that bound is absolute, and whole
+        tol = dict(atol=(u * v32.abs().max() * (5 * s_max + 4)).item(), rtol=0)
+        # the bound still catches a wrong scale (0.4^2, as 1/d for 1/sqrt(d))
+        slip = explicit_attention(q, k, v, attn_mask=mask, scale=0.4**2)[0]
+        assert (slip - expected).abs().max() > tol["atol"]
     torch.testing.assert_close(out, expected, **tol)
     assert (
         weights.shape == (2, 3, 7, 7)
