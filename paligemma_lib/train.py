@@ -496,7 +496,8 @@ def train(
         gradient scaler, on CUDA; fp32 elsewhere).
     on_step: on_step(step, loss) after each step, e.g. to stop a run early.
     workers: processes building batches ahead of the loop (0: each in this
-        process when needed); the batches, so the weights, are the same.
+        process when needed); the same batches, so weights, if the collate
+        draws no random numbers (`Collator` draws none; chapter 11.2 says why).
 
     Under torchrun (`init_distributed` called) the model is wrapped in
     DistributedDataParallel, or sharded with config.fsdp (`shard_model`), and

@@ -15,6 +15,7 @@ import textwrap
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -405,6 +406,19 @@ def test_a_checkpoint_of_more_gpus_resumes_on_fewer(tmp_path, monkeypatch):
     assert torch.equal(one.states[0], drawn)
 
 
+def test_the_collator_draws_no_random_numbers():
+    # what makes batches built by DataLoader workers (their own generators) the
+    # loop's: the library's Collator leaves every generator as it found it
+    from paligemma_lib.data import Collator
+
+    states = random.getstate(), torch.get_rng_state(), np.random.get_state()[1]
+    batch = Collator(PROCESSOR)([DATA[i] for i in range(4)])
+    assert batch.input_ids.shape[0] == 4
+    assert random.getstate() == states[0]
+    assert torch.equal(torch.get_rng_state(), states[1])
+    assert (np.random.get_state()[1] == states[2]).all()
+
+
 def test_worker_processes_give_the_same_weights():
     # batches built ahead by 2 DataLoader workers are the batches built in the loop
     inline, ahead = toy_model(), toy_model()
@@ -457,12 +471,31 @@ def worker_script(body: str) -> str:
 
 
 DDP_SCRIPT = """
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
 rank, world_size = init_distributed("cpu")
 model = toy_model()
+names = {id(p): n for n, p in model.named_parameters()}
+step1 = {}  # the gradients the first step used, and the weights it made
+
+
+def keep(optimizer, prefix, read):
+    if not any(k.startswith(prefix) for k in step1):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                step1[prefix + names[id(p)]] = read(p).detach().clone()
+
+
+register_optimizer_step_pre_hook(lambda o, *_: keep(o, "grad.", lambda p: p.grad))
+register_optimizer_step_post_hook(lambda o, *_: keep(o, "weight.", lambda p: p))
 config = TrainConfig(steps=4, batch_size=8, accumulation=2, lr=1e-2, warmup_steps=1)
 history = train(model, ColourDataset(32), collate, config, progress=False)
 if rank == 0:
     save_file(dict(model.named_parameters()), sys.argv[1])
+    save_file(step1, sys.argv[1] + ".step1")
     with open(sys.argv[1] + ".json", "w") as f:
         json.dump(history["grad_norm"], f)
 """
@@ -490,12 +523,37 @@ def run_worker(tmp_path, script: str, processes: int, *args, timeout=120, **env)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-def torchrun(tmp_path, processes: int) -> dict:
+def torchrun(tmp_path, processes: int) -> tuple:
     out = tmp_path / f"weights-{processes}.safetensors"
     run_worker(tmp_path, worker_script(DDP_SCRIPT), processes, out)
     from safetensors.torch import load_file
 
-    return load_file(out), json.loads(Path(f"{out}.json").read_text())
+    norms = json.loads(Path(f"{out}.json").read_text())
+    return load_file(out), norms, load_file(f"{out}.step1")
+
+
+def adam_step_apart(g1, g2, w, lr, eps=1e-8):
+    """The most one AdamW step from the same weights moves an entry apart in two runs
+    whose gradients are g1 and g2 (w: the larger |weight|), as chapter 11b derives.
+    The first step moves an entry by lr g / (|g| + eps) (moments from 0, the bias
+    corrections cancel); f(g) = g / (|g| + eps) has slope eps / (|g| + eps)^2, largest
+    at the smaller |g| on [g1, g2] (0 if the signs differ); |f| < 1 caps it at 2 lr"""
+    g1, g2, w = g1.double(), g2.double(), w.double()
+    same_sign = torch.sign(g1) == torch.sign(g2)
+    m = torch.where(same_sign, torch.minimum(g1.abs(), g2.abs()), 0.0)
+    apart = (g1 - g2).abs() * eps / (m + eps) ** 2
+    # each run rounds f (~8 fp32 operations, 8 x 2^-24 of |f| <= 1) and the new
+    # weight (2^-24 of it); the weight decay is the same in both
+    rounding = lr * 16 * 2**-24 + 2 * 2**-24 * w
+    return lr * apart.clamp(max=2) + rounding
+
+
+def adam_update_bound(t: int, betas=(0.9, 0.95)) -> float:
+    """The largest |m_hat / sqrt(v_hat)| Adam can reach at step t, any gradients: by
+    Cauchy-Schwarz, |sum b1^k g| <= sqrt(sum (b1^2 / b2)^k) sqrt(sum b2^k g^2)"""
+    b1, b2 = betas
+    spread = math.sqrt(sum((b1 * b1 / b2) ** k for k in range(t)))
+    return (1 - b1) / math.sqrt(1 - b2) * spread * math.sqrt(1 - b2**t) / (1 - b1**t)
 
 
 def test_ddp_two_processes_equal_one(tmp_path):
@@ -503,7 +561,10 @@ def test_ddp_two_processes_equal_one(tmp_path):
     `(loss * world_size).backward()` written `loss.backward()` (DDP's average then
     halves the gradient; Adam and clipping hide that in the weights, not in the norm
     of the first step's gradient)."""
-    (one, one_norms), (two, two_norms) = torchrun(tmp_path, 1), torchrun(tmp_path, 2)
+    (one, one_norms, one_1), (two, two_norms, two_1) = (
+        torchrun(tmp_path, 1),
+        torchrun(tmp_path, 2),
+    )
     # step 1's gradient, before any optimiser step: the same weights, the same sums in
     # another order. Each entry sums ~10^3 fp32 terms (tokens x width), so its rounding
     # is below 10^3 x eps32 ~ 1.2e-4 of the sum of magnitudes; the norm, dominated by
@@ -513,10 +574,20 @@ def test_ddp_two_processes_equal_one(tmp_path):
         two_norms,
     )
     assert one.keys() == two.keys()
+    # After step 1, from the same weights: apart by at most what Adam makes of the
+    # two measured gradients, entry by entry
     for name in one:
-        # Adam's update is at most lr = 1e-2 per step per entry whatever the gradient's
-        # scale; gradients equal to ~1e-4 relative move 4 updates by far less than 1e-5
-        torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-5)
+        g1, g2 = one_1[f"grad.{name}"], two_1[f"grad.{name}"]
+        w1, w2 = one_1[f"weight.{name}"], two_1[f"weight.{name}"]
+        bound = adam_step_apart(g1, g2, torch.maximum(w1.abs(), w2.abs()), lr=1e-2)
+        assert ((w2 - w1).double().abs() <= bound).all(), name
+    # After 4 steps the gradients differ by the weights' differences too, which no
+    # record bounds: only Adam's own bound holds, each step moving an entry by at most
+    # lr x adam_update_bound(t) in either run (weight decay shrinks differences)
+    apart = sum(2 * 1e-2 * adam_update_bound(t) for t in range(1, 5))
+    for name in one:
+        # Adam's bound above, absolute: rtol 0
+        torch.testing.assert_close(two[name], one[name], rtol=0, atol=apart)
     moved = toy_model().state_dict()
     assert not torch.equal(
         one["multi_modal_projector.linear.weight"],
@@ -767,7 +838,7 @@ def test_train_then_evaluate_on_the_worlds(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     record = json.loads((out / "training_record.json").read_text())
-    added = record["evaluations"]["ocr/test"]
+    added = record["evaluations"]["ocr/validation"]  # evaluate's default split
     assert added["examples"] == 2
     assert "character error rate" in added["metrics"]["ocr"]
     assert added["command"].endswith("--record") and record["steps"] == 2  # kept
@@ -930,7 +1001,7 @@ def test_train_lora_with_token_rows(tmp_path):
     assert trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def test_the_shipped_receipts_adapter_reads_a_test_receipt():
+def test_the_shipped_receipts_adapter_reads_a_validation_receipt():
     from paligemma_lib.adapters import load_adapter
     from paligemma_lib.data import SyntheticDataset
     from paligemma_lib.generation import answer
@@ -938,7 +1009,8 @@ def test_the_shipped_receipts_adapter_reads_a_test_receipt():
 
     model = load_pretrained("nano").eval()
     processor = PaliGemmaProcessor.from_pretrained("nano")
-    image, prompt, truth = SyntheticDataset({"receipts": 1}, "test", size=1)[0]
+    receipts = SyntheticDataset({"receipts": 1}, "validation", size=1)
+    image, prompt, truth = receipts[0]
     assert answer(model, processor, image, prompt, max_new_tokens=48) != truth
     names = load_adapter(model, "receipts")
     assert any("vision" in n for n in names) and any("language" in n for n in names)
