@@ -1057,6 +1057,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                'paligemma_lib/training_run.py'),
                                             'paligemma_lib.training_run.model_config': ( 'training.html#model_config',
                                                                                          'paligemma_lib/training_run.py'),
+                                            'paligemma_lib.training_run.new_model_settings': ( 'training.html#new_model_settings',
+                                                                                               'paligemma_lib/training_run.py'),
                                             'paligemma_lib.training_run.run_training': ( 'training.html#run_training',
                                                                                          'paligemma_lib/training_run.py'),
                                             'paligemma_lib.training_run.training_model': ( 'training.html#training_model',

@@ -5,7 +5,7 @@
 
 # %% auto #0
 __all__ = ['MODEL_SIZES', 'model_config', 'TrainingRun', 'training_model',
-           'device_description', 'run_training']
+           'new_model_settings', 'device_description', 'run_training']
 
 # %% ../book/11b_training.ipynb #tr00
 import json
@@ -135,14 +135,21 @@ def training_model(run: TrainingRun):
         elif run.lora is not None:
             add_lora(model, _with_token_rows(run, processor.tokenizer))
         return processor, model
+    processor, settings = new_model_settings(run.size)
+    return processor, PaliGemmaForConditionalGeneration(settings)
+
+
+def new_model_settings(size: str):
+    """(processor, PaliGemmaConfig) of a new model of `size`: what it will
+    read and how it is built, before anything is built"""
     tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
-    settings = model_config(run.size, tokenizer)
+    settings = model_config(size, tokenizer)
     processor = PaliGemmaProcessor(
         tokenizer,
         image_size=settings.vision.image_size,
         num_image_tokens=settings.num_image_tokens,
     )
-    return processor, PaliGemmaForConditionalGeneration(settings)
+    return processor, settings
 
 
 def _with_token_rows(run: TrainingRun, tokenizer) -> LoraConfig:

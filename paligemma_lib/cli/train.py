@@ -134,21 +134,14 @@ def length_limits(args: argparse.Namespace) -> tuple:
     for --model's checkpoint or a new --config model, read before it loads"""
     from ..model_files import resolve_model_path
     from ..processing import PaliGemmaProcessor
-    from ..tokenization import GemmaTokenizer, default_tokenizer_path
-    from ..training_run import model_config
+    from ..training_run import new_model_settings
     from ..weights import _read_config
 
     if args.model is not None:
         processor = PaliGemmaProcessor.from_pretrained(args.model)
         config = _read_config(resolve_model_path(args.model))[1]
     else:  # as training_model lays out a new model's prompts
-        tokenizer = GemmaTokenizer.from_file(default_tokenizer_path())
-        config = model_config(args.config, tokenizer)
-        processor = PaliGemmaProcessor(
-            tokenizer,
-            image_size=config.vision.image_size,
-            num_image_tokens=config.num_image_tokens,
-        )
+        processor, config = new_model_settings(args.config)
     return processor, config.text.max_position_embeddings
 
 
