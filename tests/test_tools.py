@@ -50,3 +50,49 @@ def test_choose_nano_score_on_validation():
 def test_choose_without_runs_says_so():
     with pytest.raises(ValueError, match="no run finished"):
         gpu_driver.choose([], lambda name, split: {}, train_receipts_gpu.score)
+
+
+class FakeDriver:
+    """The driver with no GPU and no training: each run 'finishes' with the files
+    the tools pack, and every grade records the split it was asked for"""
+
+    asked: list = []
+
+    def __init__(self, out, work, base):
+        self.work = work
+
+    def say(self, *words):
+        pass
+
+    def calibrate(self, runs, budget, reserve):
+        self.runs = list(runs)
+        return 40
+
+    def run_all(self, runs, steps, extra):
+        for name in runs:
+            folder = self.work / name
+            folder.mkdir(parents=True)
+            for file in (*train_nano_gpu.SHIPPED, "adapter_config.json",
+                         "adapter_model.safetensors"):  # fmt: skip
+                (folder / file).write_text("{}")
+        return list(runs)
+
+    def evaluate(self, folder, world, split, limit, adapter=None):
+        FakeDriver.asked.append(split)
+        return {"receipt": {"all fields": 0.5}}
+
+
+@pytest.mark.parametrize("tool", [train_nano_gpu, train_receipts_gpu])
+def test_the_gpu_tools_grade_no_test_example(tool, tmp_path, monkeypatch):
+    """Test is graded once, on the dev machine, from the ledger's fresh range: the
+    GPU tools read validation only (before 2026-11-28 they graded test 0-199 after
+    their choice, every time they ran)"""
+    FakeDriver.asked = []
+    monkeypatch.setattr(tool, "Driver", FakeDriver)
+    if tool is train_nano_gpu:  # its grade is per world: score what the fake gives
+        monkeypatch.setattr(tool, "score", lambda metrics: 0.5)
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(sys, "argv", [tool.__file__, "--work", str(tmp_path / "w")])
+    assert tool.main() == 0
+    assert FakeDriver.asked and set(FakeDriver.asked) == {"validation"}
