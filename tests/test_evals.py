@@ -214,3 +214,28 @@ def test_readme_segment_picture_is_a_graded_test_scene():
     page = " ".join((ROOT / "book/a1_using_the_library.md").read_text().split())
     assert '--prompt "segment circle" --adapter segment --draw /tmp/masks.png' in page
     assert (ROOT / "book/figures/segment_masks.png").is_file()
+
+
+def test_the_ledger_refuses_ranges_other_grades_spent():
+    """A range the ledger lists is refused whoever graded it (the T4 part spent
+    receipts 5000-5095, which no fresh-test record names); a range past every entry
+    is fresh; the shipped record's own files on its own range re-run, spending
+    nothing"""
+    from ship_rules import read_ledger
+
+    ledger = read_ledger()
+    files = evaluate_fresh.file_hashes()
+    with pytest.raises(SystemExit, match="receipts 5000-5095"):
+        evaluate_fresh.check_ledger(5000, 5010, files, ledger)
+    retrained = dict.fromkeys(files, "retrained")
+    with pytest.raises(SystemExit, match="--start 5300"):
+        evaluate_fresh.check_ledger(5200, 5400, retrained, ledger)
+    assert evaluate_fresh.check_ledger(5300, 5599, retrained, ledger) is True
+    by = "tools/evaluate_fresh.py (records/fresh-test-20261123.json)"
+    mine = {"world": "shapes", "start": 5000, "stop": 5299, "by": by}
+    alone = {"test ranges spent": [mine]}
+    assert evaluate_fresh.check_ledger(5000, 5299, files, alone) is False
+    with pytest.raises(SystemExit):  # other files on that range
+        evaluate_fresh.check_ledger(5000, 5299, retrained, alone)
+    with pytest.raises(SystemExit):  # past the record's own range
+        evaluate_fresh.check_ledger(5000, 5300, files, alone)

@@ -1,13 +1,15 @@
 # Hand-written, not exported from a notebook.
 """The shipped models on test seeds that no choice ever looked at, on the CPU, once.
 
-    python tools/evaluate_fresh.py [--n 400] [--start 5000] [--out FILE]
+    python tools/evaluate_fresh.py [--n 400] [--start N] [--out FILE]
 
 writes benchmarks/results/fresh-test-DATE.json unless --out says otherwise, with the git
 commit and the sha256 of every file of the shipped model and adapter it scored. Test
-seeds are used once: it refuses to score files other than those a record in
-benchmarks/results/ already scored on the same test indices (retrained weights need new
-seeds: --start past the last index reported).
+seeds are used once. `--start` defaults to the first index past every range the ledger
+(paligemma_lib/assets/ledger.json) lists as spent in shapes, OCR and receipts, and the
+range is written into the ledger before the grade. A range the ledger lists is refused,
+unless it is a re-run of the very files a fresh-test record scored there; other files
+on indices a record reported are refused too (retrained weights need new seeds).
 
 Which seeds were used for what (indices into the test split, `SPLITS["test"]`):
 - 0-479 (shapes) and 0-199 (OCR, receipts): the GPU tools' test evaluations, made when
@@ -25,6 +27,7 @@ import argparse
 import hashlib
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,11 +38,15 @@ from paligemma_lib.adapters import load_adapter
 from paligemma_lib.data import SyntheticDataset
 from paligemma_lib.evaluation import compute_metrics, predict
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ship_rules import LEDGER, fresh_start, overlapping, read_ledger, spend  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 RECORDS = ROOT / "paligemma_lib" / "assets" / "records"  # those a chapter quotes
 SCORED = ("nano", "receipts")  # the folders of paligemma_lib/assets/ scored here
 FRESH_START = 5000  # the first test index no evaluation had used (see above)
+WORLDS = ("shapes", "ocr", "receipts")  # the test worlds graded here
 SHAPES_TASKS = ("caption", "count", "colour", "detect")
 MAX_NEW_TOKENS = 64  # a receipt's JSON is about 35 tokens; the longest answers here
 
@@ -124,6 +131,36 @@ def check_seeds_unused(
         )
 
 
+def check_ledger(
+    first: int, last: int, files: dict, ledger: dict, results=(RESULTS, RECORDS)
+) -> bool:
+    """The ledger's word on test indices first..last of WORLDS: True, fresh (spend
+    them); False, a re-run of these very files on their own range (spend nothing);
+    any other range a grade spent before is refused, whoever graded it"""
+    folders = [results] if isinstance(results, (str, Path)) else results
+    same = [  # this script's records of these very files
+        p.name
+        for folder in folders
+        for p in Path(folder).glob("fresh-test-*.json")
+        if json.loads(p.read_text()).get("files") == files
+    ]
+    spent = [e for w in WORLDS for e in overlapping(ledger, w, first, last)]
+    others = [
+        e
+        for e in spent
+        if not (
+            any(n in e["by"] for n in same) and e["start"] <= first <= last <= e["stop"]
+        )
+    ]
+    if others:
+        before = "; ".join("{world} {start}-{stop} by {by}".format(**e) for e in others)
+        raise SystemExit(
+            f"test indices {first}-{last} were graded before ({before}); "
+            f"score on new seeds: --start {fresh_start(ledger, WORLDS, first)} or later"
+        )
+    return not spent
+
+
 def run(model, processor, dataset, batch_size: int) -> dict:
     begin = time.time()
     rows = predict(model, processor, dataset, batch_size, MAX_NEW_TOKENS)
@@ -138,7 +175,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=400, help="test examples per task")
     parser.add_argument(
-        "--start", type=int, default=FRESH_START, help="the first test index scored"
+        "--start",
+        type=int,
+        help="the first test index (default: the ledger's first fresh)",
     )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument(
@@ -149,6 +188,8 @@ def main() -> int:
         / f"fresh-test-{time.strftime('%Y%m%d')}.json",
     )
     args = parser.parse_args()
+    if args.start is None:
+        args.start = fresh_start(read_ledger(), WORLDS, FRESH_START)
     if args.start < FRESH_START:
         parser.error(
             f"--start {args.start}: indices below {FRESH_START} were chosen on"
@@ -156,6 +197,11 @@ def main() -> int:
     first, last = args.start, args.start + args.n - 1
     files = file_hashes()
     check_seeds_unused(first, last, files)
+    if check_ledger(first, last, files, read_ledger()):  # spent before the grade
+        out = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
+        by = f"tools/evaluate_fresh.py --n {args.n} --start {first} ({out})"
+        for world in WORLDS:
+            spend(LEDGER, world, first, args.n, by, "the shipped models, reported")
     torch.manual_seed(0)
     result = {
         "command": f"python tools/evaluate_fresh.py --n {args.n} --start {args.start}",
