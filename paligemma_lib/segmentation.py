@@ -172,8 +172,9 @@ def encode(self, masks: torch.Tensor) -> torch.Tensor:
             f"encode takes masks [B, 64, 64], got {list(masks.shape)}; "
             "cut each mask to its box and resize it to 64 x 64"
         )
-    z = self.encoder(2 * masks[:, None].to(self._dtype()) - 1)
-    return self._vq_vae(z).codes
+    z = self.encoder(2 * masks[:, None].to(self._dtype()) - 1)  # [B, D, 4, 4]
+    rows = z.permute(0, 2, 3, 1)  # the quantiser's order; no losses to make
+    return self._vq_vae.nearest_codes(rows).reshape(len(masks), NUM_MASK_TOKENS)
 
 
 @patch_to(MaskVAE)

@@ -229,6 +229,16 @@ def test_encoder_and_codes_match_the_equations(vae_file):
         assert np.array_equal(got_codes, d.argmin(1))
 
 
+def test_encode_gives_the_quantisers_codes(vae_file):
+    """`encode` skips the quantiser's losses (the answers' codes are most of a
+    segments example's time): its codes are the training forward's, bit for bit"""
+    vae = load_mask_vae(vae_file[0])
+    masks = torch.rand(5, 64, 64, generator=torch.Generator().manual_seed(3)) < 0.5
+    with torch.no_grad():
+        _, quantized = vae(masks.float())
+        assert torch.equal(vae.encode(masks.float()), quantized.codes)
+
+
 def test_nearest_codes_are_the_brute_force_ones():
     vae = MaskVAE()
     z = torch.randn(200, 512, dtype=torch.float64)
