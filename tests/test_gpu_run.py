@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+import gpu_real  # noqa: E402
 import gpu_run  # noqa: E402
 
 
@@ -93,6 +94,29 @@ def test_calibration_ends_at_its_budget_when_a_run_hangs(tmp_path, monkeypatch):
     # wait out the children's sleep, and the log would not say they were killed)
     assert driver.calibrate({"a": [], "b": []}, 4, 1, probe=3, floor=2) is None
     assert "killed at the budget's end" in (tmp_path / "log.txt").read_text()
+
+
+def test_a_second_calibration_in_the_same_folder_works(tmp_path, monkeypatch):
+    """Stage 2 calibrates its run again when the control does not fit: the first
+    probe's folder, which `train` refuses to start in, is cleared first"""
+    import subprocess
+
+    from gpu_driver import Driver
+
+    def probe(self, steps, extra, folder, pipe=False):
+        refused = folder.exists() and any(folder.iterdir())  # as train refuses
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "checkpoint").write_text("a finished probe")
+        code = "import sys; sys.exit(1)" if refused else "print('step 1:\\nstep 3:')"
+        return subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE if pipe else subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+
+    monkeypatch.setattr(Driver, "train", probe)
+    driver = Driver(tmp_path, tmp_path, [])
+    assert driver.calibrate({"448": []}, 60, 1, probe=3, floor=2) is not None
+    assert driver.calibrate({"448": []}, 60, 1, probe=3, floor=2) is not None
 
 
 def test_bars_are_three_standard_errors_below_and_never_zero():
@@ -292,11 +316,32 @@ def test_profile_is_a_part_a_plain_run_leaves_out():
 def test_the_profile_reads_a_recipe_as_the_train_command_does():
     import gpu_profile
 
-    args = gpu_profile.parsed(gpu_profile.SEGMENT_RUN, 100, batch_size=4)
-    assert (args.model, args.batch_size, args.lr, args.lora) == ("nano", 4, 2e-3, True)
+    segment = gpu_profile.recipes({})["segment"]
+    args = gpu_profile.parsed(segment, 100, batch_size=4)
+    assert (args.model, args.batch_size, args.lr, args.lora) == ("nano", 4, 5e-4, True)
     assert (args.lora_r, args.lora_alpha, args.worlds) == (16, 32, "segments=1")
-    real = gpu_profile.parsed(gpu_profile.recipes()["real"], 100, None)
+    assert args.from_adapter == "segment"  # the part goes on from the shipped adapter
+    real = gpu_profile.parsed(gpu_profile.recipes({})["real"], 100, None)
     assert real.batch_size == 128  # the GPU's batch, as tools/gpu_real.py runs it
+
+
+def test_the_profile_measures_the_runs_the_parts_train():
+    """The segment part's first run and the real part's recipe, as the same
+    variables choose them (the profile once timed a recipe no part ran)"""
+    import gpu_profile
+
+    env = {"GPU_SEGMENT_RUNS": "boxes,low", "GPU_REAL_RECIPE": "pen",
+           "GPU_REAL_FROM": "nano-real", "GPU_TRAIN_COMPILE": "1"}  # fmt: skip
+    found = gpu_profile.recipes(env)
+    runs = gpu_run.segment_runs(env)
+    assert list(found) == ["segment", "real"]  # the segment recipe first
+    assert found["segment"] == [
+        *gpu_run.SEGMENT_BASE,
+        *(f for f in runs["boxes"] if f != "--compile"),
+    ]
+    real = gpu_profile.parsed(found["real"], 100, None)
+    assert real.model == "nano-real" and real.compile is False
+    assert real.worlds == gpu_real.MIXES["pen"]
 
 
 def test_the_data_rate_is_timed_past_the_batches_built_ahead(monkeypatch):

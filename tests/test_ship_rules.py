@@ -291,13 +291,13 @@ def shipped(tmp_path) -> Path:
     return folder
 
 
-def ingest_segment(tmp_path, shipped, ledger, new_quality):
+def ingest_segment(tmp_path, shipped, ledger, new_quality, stamp="20270101-0000"):
     calls = []
     grader = fake_segment_grader(calls, {"segment": new_quality, "shipped": 0.6})
     results = tmp_path / "results"
     results.mkdir(exist_ok=True)
     record = gpu_ingest.ship_segment(
-        adapter_tar(tmp_path), "20270101-0000", evaluate=grader, shipped=shipped,
+        adapter_tar(tmp_path), stamp, evaluate=grader, shipped=shipped,
         ledger=ledger, results=results,
     )  # fmt: skip
     return record, calls
@@ -313,7 +313,8 @@ def test_a_better_adapter_is_chosen_on_validation_then_graded_once_on_fresh_test
     assert new[1:] == old[1:]  # the same scenes, both adapters
     assert (new[0], old[0]) == ("segment", "shipped")
     assert new[1] == "validation" and new[2:] == gpu_ingest.SEGMENT_SHIP_SCENES
-    assert test[:2] == ("shipped", "test")  # the adapter now in place
+    # the new adapter, graded where it was unpacked, before the package changes
+    assert test[:2] == ("segment", "test")
     start, n = test[2:]
     assert not ship_rules.overlapping(before, "segments", start, start + n - 1)
     after = ship_rules.read_ledger(ledger)
@@ -322,6 +323,39 @@ def test_a_better_adapter_is_chosen_on_validation_then_graded_once_on_fresh_test
     assert (shipped / "adapter_model.safetensors").read_text().startswith("new")
     graded = json.loads((shipped / "training_record.json").read_text())
     assert graded["evaluations"]["segments/test"]["indices"] == [start, start + n - 1]
+
+
+def test_a_try_is_decided_once(tmp_path, shipped, ledger):
+    """An ingest run twice on the same folder is refused before any grade: it would
+    overwrite the record the first decision names"""
+    ingest_segment(tmp_path, shipped, ledger, 0.6)
+    decided = ledger.read_text()
+    again = tmp_path / "again"
+    again.mkdir()
+    with pytest.raises(ValueError, match="decided before"):
+        ingest_segment(again, shipped, ledger, 0.7)
+    assert ledger.read_text() == decided
+
+
+def test_a_test_grade_that_fails_leaves_the_package_as_it_was(
+    tmp_path, shipped, ledger
+):
+    "The test grade comes before the copy: a crash there ships nothing half-way"
+    calls = []
+    grader = fake_segment_grader(calls, {"segment": 0.7, "shipped": 0.6})
+
+    def failing(folder, split, start, n):
+        if split == "test":
+            raise RuntimeError("the grade crashed")
+        return grader(folder, split, start, n)
+
+    with pytest.raises(RuntimeError):
+        gpu_ingest.ship_segment(
+            adapter_tar(tmp_path), "20270101-0000", evaluate=failing,
+            shipped=shipped, ledger=ledger, results=tmp_path,
+        )  # fmt: skip
+    assert (shipped / "adapter_model.safetensors").read_text().startswith("old")
+    assert ship_rules.read_ledger(ledger)["test ranges spent"][-1]["by"]  # spent
 
 
 def test_an_adapter_no_better_reads_no_test_scene_and_stays_out(
@@ -341,7 +375,7 @@ def test_a_second_ship_grades_test_scenes_after_the_first(tmp_path, shipped, led
     "Planted: a start that reuses the shipped adapter's scenes is refused"
     _, first = ingest_segment(tmp_path, shipped, ledger, 0.7)
     (tmp_path / "returned").rename(tmp_path / "returned-1")
-    _, second = ingest_segment(tmp_path, shipped, ledger, 0.8)
+    _, second = ingest_segment(tmp_path, shipped, ledger, 0.8, "20270102-0000")
     one, two = first[-1][2], second[-1][2]
     assert two >= one + gpu_ingest.SEGMENT_TEST_SCENES
 
@@ -387,7 +421,8 @@ def test_nano_real_is_chosen_on_validation_and_graded_once_after(tmp_path, ledge
     *choice, test = calls
     assert {c[1] for c in choice} == {"validation"}
     assert {c[0] for c in choice} == {"new", "nano-real", "nano"}
-    assert test[:2] == ("nano-real", "test")
+    # the new model, graded where it was unpacked, before the package changes
+    assert test[:2] == ("new", "test")
     for world, n in gpu_ingest.REAL_TEST_WORLDS.items():
         assert not ship_rules.overlapping(before, world, test[2], test[2] + n - 1)
     assert len(ship_rules.read_ledger(ledger)["test ranges spent"]) == len(

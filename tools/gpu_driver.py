@@ -8,6 +8,7 @@ run to ship, is made on the VALIDATION split. `choose` asks `evaluate` for the
 validation split only; the test split is evaluated after the choice, once, to report.
 """
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -75,7 +76,9 @@ class Driver:
         for i, (name, extra) in enumerate(runs.items()):
             small = [*extra, "--eval-size", str(eval_size)]
             small += ["--eval-every", str(probe // 3)]
-            procs.append(self.train(probe, small, self.work / f"cal-{name}", i == 0))
+            folder = self.work / f"cal-{name}"  # discarded: an earlier probe's too,
+            shutil.rmtree(folder, ignore_errors=True)  # which train would refuse
+            procs.append(self.train(probe, small, folder, i == 0))
         # the budget's end less the reserve: the probes are killed there, so a run
         # that hangs or prints nothing cannot hold the part past its budget
         deadline = self.begin + budget - reserve

@@ -54,6 +54,7 @@ def ship_segment(
         from paligemma_lib.adapters import resolve_adapter_path
 
         shipped = resolve_adapter_path("segment")
+    ship_rules.check_undecided(ship_rules.read_ledger(ledger), "segment", stamp)
     work = Path(tempfile.mkdtemp()) / "segment"
     with tarfile.open(tar) as archive:
         archive.extractall(work, filter="data")
@@ -74,12 +75,13 @@ def ship_segment(
     if not record["ships"]:
         return record
     adapter_record = json.loads((work / "training_record.json").read_text())
-    for file in SEGMENT_FILES:
-        shutil.copyfile(work / file, shipped / file)
     first = ship_rules.fresh_start(ship_rules.read_ledger(ledger), ["segments"])
     why = f"the {stamp} adapter's grade, once, after it shipped"
     ship_rules.spend(ledger, "segments", first, SEGMENT_TEST_SCENES, BY, why)
-    test = evaluate(shipped, "test", first, SEGMENT_TEST_SCENES)
+    # graded where it was unpacked: the package changes only once all of it is done
+    test = evaluate(work, "test", first, SEGMENT_TEST_SCENES)
+    for file in SEGMENT_FILES:
+        shutil.copyfile(work / file, shipped / file)
     adapter_record["evaluations"] = {"segments/validation": new, "segments/test": test}
     (shipped / "training_record.json").write_text(
         json.dumps(adapter_record, indent=1) + "\n"
@@ -106,6 +108,7 @@ def ship_real(
         def ship(folder):
             return ship_to(folder, DEST.parent / "nano-real")
 
+    ship_rules.check_undecided(ship_rules.read_ledger(ledger), "nano-real", stamp)
     split = ship_rules.SHIP_SPLIT
     graded = {
         name: evaluate(REAL_N, split, old=REAL_OLD, model=source)
@@ -136,14 +139,15 @@ def ship_real(
     note(ledger, record, f"paligemma_lib/assets/real/{name}")
     if not record["ships"]:
         return record
-    print(ship(model))
     first = ship_rules.fresh_start(ship_rules.read_ledger(ledger), REAL_TEST_WORLDS)
     why = f"the {stamp} nano-real's grade, once, after it shipped"
     for world, n in REAL_TEST_WORLDS.items():
         ship_rules.spend(ledger, world, first, n, BY, why)
-    test = evaluate(REAL_N, "test", old=REAL_OLD, model="nano-real", start=first)
+    # graded where it was unpacked: the package changes only once all of it is done
+    test = evaluate(REAL_N, "test", old=REAL_OLD, model=model, start=first)
     out = records / f"real-after-gpu-{stamp}.json"
     out.write_text(json.dumps(test, indent=1) + "\n")
+    print(ship(model))
     print(f"graded on test from index {first}: {out}")
     return record | {"test record": out.name}
 
@@ -180,6 +184,7 @@ def ship_stage2(
         from ship_nano import DEST
 
         shipped = DEST.parent / STAGE2_NAME
+    ship_rules.check_undecided(ship_rules.read_ledger(ledger), STAGE2_NAME, stamp)
     split, sizes = ship_rules.SHIP_SPLIT, STAGE2_SIZES
     asked = {"nano at 224": ("nano", 224), "nano at 448, untrained": ("nano", 448),
              "new at 448": (models["448"], 448)}  # fmt: skip
@@ -225,14 +230,15 @@ def ship_stage2(
                 f"test indices {first}-{first + n - 1} of {world} were graded "
                 f"before; grade from {ship_rules.fresh_start(spent, sizes)} on"
             )
-    print(ship(models["448"]))
     for world, n in sizes.items():
         ship_rules.spend(ledger, world, first, n, BY, why)
+    # graded where it was unpacked: the package changes only once all of it is done
     test = {
-        "nano-448 at 448": grade(shipped, 448, "test", first, sizes),
+        "nano-448 at 448": grade(models["448"], 448, "test", first, sizes),
         "nano at 224": grade("nano", 224, "test", first, sizes),
     }
     out = records / f"stage2-after-gpu-{stamp}.json"
     out.write_text(json.dumps({"decided": name, "graded": test}, indent=1) + "\n")
+    print(ship(models["448"]))
     print(f"graded on test from index {first}: {out}")
     return record | {"test record": out.name}

@@ -27,6 +27,8 @@ bound by launching its kernels, not by their arithmetic. The part writes
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,18 +39,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
-from gpu_real import PACKED, REAL_RUN, unpack  # noqa: E402
+from gpu_real import PACKED, unpack  # noqa: E402
 
-# the recipes as the GPU parts run them (tools/gpu_real.py, tools/gpu_run.py)
-SEGMENT_RUN = ["--model", "nano", "--batch-size", "64", "--worlds", "segments=1",
-               "--train-size", "5000000", "--lora", "--lora-targets", "all",
-               "--lora-r", "16", "--lora-alpha", "32", "--lr", "2e-3"]  # fmt: skip
 TOP_KERNELS = 8
 LAUNCHES = ("cudaLaunch", "cuLaunch")  # cudaLaunchKernel, cuLaunchKernel(Ex), ...
 
 
-def recipes() -> dict:
-    return {"real": REAL_RUN, "segment": SEGMENT_RUN}
+def recipes(env=os.environ) -> dict:
+    """The recipes as the GPU parts run them, the segment part's first run first
+    (GPU_SEGMENT_RUNS, GPU_SEGMENT_FROM), then the real part's (GPU_REAL_RECIPE,
+    GPU_REAL_FROM); --compile left out: the profile times both ways"""
+    from gpu_real import recipe
+    from gpu_run import SEGMENT_BASE, segment_runs
+
+    segment = [*SEGMENT_BASE, *next(iter(segment_runs(env).values()))]
+    real = list(recipe(env.get("GPU_REAL_RECIPE"))[1])
+    real[real.index("--model") + 1] = env.get("GPU_REAL_FROM", "nano")
+    return {name: [f for f in flags if f != "--compile"]
+            for name, flags in (("segment", segment), ("real", real))}  # fmt: skip
 
 
 def parsed(flags: list, steps: int, batch_size: int | None) -> argparse.Namespace:
@@ -86,7 +94,8 @@ def pieces(args: argparse.Namespace, device):
     )
     run = TrainingRun(out=Path(args.out), config=config, train_set=train_set,
                       model=args.model, lora=lora_settings(args),
-                      lora_tokens=args.lora_tokens, device=device)  # fmt: skip
+                      adapter=args.from_adapter, lora_tokens=args.lora_tokens,
+                      device=device)  # fmt: skip
     processor, model = training_model(run)
     model.to(device)
     batches = StepBatches(train_set, Collator(processor, pixels="uint8"), config)
@@ -212,17 +221,20 @@ def own_times(events, on_device: bool) -> list:
     return sorted(((e, us) for e, us in times if us > 0), key=lambda p: -p[1])
 
 
-def profile_recipe(flags, device, workers: int, steps: int, warm: int, batch=None):
+def profile_recipe(flags, device, workers: int, steps: int, warm: int, batch=None,
+                   save=lambda result: None):  # fmt: skip
     """The data rate, and the step's and the loop's rates and profile for the eager
-    step and then the compiled one (the same model and optimiser, trained on)"""
+    step and then the compiled one (the same model and optimiser, trained on);
+    `save(result)` after each, so that a recipe cut at its budget keeps its numbers"""
     from paligemma_lib.train import TrainConfig, _step_model
 
     args = parsed(flags, 10**6, batch)  # steps: the schedule's length only
     parts = pieces(args, device)
     size = parts[1].config.batch_size
     data = data_rate(parts[1], workers, steps, warm)
-    result = {"batch size": size, "workers": workers, "steps timed": steps,
-              "data examples/s": round(data, 1)}  # fmt: skip
+    result = {"flags": flags, "batch size": size, "workers": workers,
+              "steps timed": steps, "data examples/s": round(data, 1)}  # fmt: skip
+    save(result)
     for name in ("eager", "compiled"):
         if name == "compiled":  # train --compile's step
             parts = (_step_model(parts[0], TrainConfig(compile=True), 1), *parts[1:])
@@ -235,6 +247,7 @@ def profile_recipe(flags, device, workers: int, steps: int, warm: int, batch=Non
             double = (parts[0], doubled(parts[1]), *parts[2:])
             twice, _, _ = step_rate(double, device, steps, warm)
             result[name]["step examples/s at twice the batch"] = round(twice, 1)
+        save(result)
     return result
 
 
@@ -260,31 +273,62 @@ def doubled(batches):
 
 
 def profile(run, budget: float) -> dict:
-    "The part: both recipes, their rates and profiles, into profile.json"
-    import os
-
-    device = torch.device("cpu" if run.rehearse else "cuda")
-    workers = 1 if run.rehearse else max(1, (os.cpu_count() or 2) - 1)
-    steps, warm = (2, 2) if run.rehearse else (20, 5)  # warm: both shapes compiled
-    batch = 2 if run.rehearse else None
+    """The part: each recipe in a child that ends at its share of the budget (the
+    time left, shared by the recipes left), its rates and profiles into
+    profile.json; a recipe that fails or runs out of time keeps what it measured"""
     begin, result = time.time(), {}
     if PACKED.is_dir():  # on the GPU machine, the real pictures carried there
         os.environ.update(unpack(PACKED, Path(tempfile.mkdtemp()) / "data"))
-    for name, flags in recipes().items():
-        if time.time() - begin > budget / 2:  # one recipe's time is left
+    names = list(recipes())
+    for i, name in enumerate(names):
+        share = (budget - (time.time() - begin)) / (len(names) - i)
+        if share < 10:
             result[name] = {"error": "no time left in the part's budget"}
-            continue
-        result[name] = profile_recipe(flags, device, workers, steps, warm, batch)
+        else:
+            result[name] = in_child(name, run.rehearse, share)
         run.say(f"profile {name}: {json.dumps(result[name])[:400]}")
         (run.out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def in_child(name: str, rehearse: bool, timeout: float) -> dict:
+    "Recipe `name` profiled in a child cut at `timeout` s: what it saved, and why"
+    saved = Path(tempfile.mkdtemp()) / f"{name}.json"
+    command = [sys.executable, __file__, "--recipe", name, "--result", saved]
+    try:
+        done = subprocess.run([*map(str, command), *(["--rehearse"] * rehearse)],
+                              cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
+        status = {} if done.returncode == 0 else {"error": done.stderr[-600:]}
+    except subprocess.TimeoutExpired:
+        status = {"error": f"cut at its {timeout:.0f} s"}
+    found = json.loads(saved.read_text()) if saved.exists() else {}
+    return found | status
+
+
+def one_recipe(name: str, rehearse: bool, saved: Path) -> None:
+    "The child: recipe `name` measured, saved after each stage"
+    device = torch.device("cpu" if rehearse else "cuda")
+    workers = 1 if rehearse else max(1, (os.cpu_count() or 2) - 1)
+    steps, warm = (2, 2) if rehearse else (20, 5)  # warm: both shapes compiled
+    batch = 2 if rehearse else None
+
+    def save(result):
+        saved.write_text(json.dumps(result, indent=1) + "\n")
+
+    profile_recipe(recipes()[name], device, workers, steps, warm, batch, save)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rehearse", action="store_true", help="tiny, on the CPU")
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp()))
+    parser.add_argument("--recipe", help="the child: profile this recipe alone")
+    parser.add_argument("--result", type=Path, help="the child's record")
     args = parser.parse_args()
+    if args.recipe:
+        one_recipe(args.recipe, args.rehearse, args.result)
+        return 0
 
     class Say:  # the part's view of tools/gpu_run.py's Run
         rehearse, out = args.rehearse, args.out

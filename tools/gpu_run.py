@@ -149,6 +149,9 @@ SEGMENT_RECIPES = {"lora": SEGMENT_LORA,
 # 1e-4 against the shipped adapter's 0.649: no CPU continuation beat it, so the GPU
 # tries the gentler rate, with and without the boxes world, for thousands of steps
 SEGMENT_FROM = "segment"
+# what every run of the segment part shares (its runs add their recipe, and workers)
+SEGMENT_BASE = ["--model", "nano", "--batch-size", "64", "--worlds", "segments=1",
+                "--train-size", "5000000"]  # fmt: skip
 
 
 def segment_runs(env=os.environ) -> dict:
@@ -495,10 +498,8 @@ def segment(run: Run, budget: float) -> dict:
 
     work = Path(tempfile.mkdtemp()) / "segment"
     size, workers = (2, 1) if run.rehearse else (64, max(1, (os.cpu_count() - 2) // 2))
-    base = [
-        "--model", "nano", "--batch-size", size, "--worlds", "segments=1",
-        "--train-size", "5000000", "--workers", workers,
-    ]  # fmt: skip
+    base = [*SEGMENT_BASE, "--workers", workers]
+    base[base.index("--batch-size") + 1] = size
     os.environ["OMP_NUM_THREADS"] = "1"  # 2 runs x (1 + workers) processes
     driver = Driver(work, work, list(map(str, base)))
     driver.log = run.log  # one log

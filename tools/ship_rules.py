@@ -278,6 +278,17 @@ def spend(path: Path, world: str, start: int, n: int, by: str, why: str) -> dict
     return entry
 
 
+def check_undecided(ledger: dict, model: str, stamp: str) -> None:
+    """Refuse a try the ledger holds a decision for: each try is decided once (an
+    ingest run twice would grade again, and overwrite the first decision's record)"""
+    for d in ledger["ship decisions"]:
+        if d.get("model") == model and d.get("try") == stamp:
+            raise ValueError(
+                f"{model}'s try {stamp} was decided before (ships: {d['ships']}; "
+                f"{', '.join(d.get('records', []))}): a try is decided once"
+            )
+
+
 def record_decision(path: Path, decision: dict) -> None:
     "A ship decision, as it was made, appended to the ledger's list"
     ledger = read_ledger(path)
