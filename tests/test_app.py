@@ -508,26 +508,33 @@ def test_concurrent_sessions_switching_adapters(server, reference):
             assert text == alone[request], (request, text, alone[request])
 
 
-def test_segment_without_its_adapter_says_so(page, reference):
-    """The segment task uses the shipped 'segment' adapter; until the package ships
-    one, the page answers without it and says so in one line, and draws no mask"""
+def test_the_shipped_segment_adapter_is_on_for_the_segment_task(page):
+    "The package ships a segment adapter: the page turns it on for that task"
     from playwright.sync_api import expect
 
-    from paligemma_lib.app import NO_SEGMENT_ADAPTER
+    assert shipped_adapter("segment") is not None  # the package ships it
+    ask(page, example="shapes to detect", task="segment", text="circle")
+    switch = page.locator("#adapter").get_by_label("segment", exact=True)
+    expect(switch).to_be_checked(timeout=ANSWER_MS)
 
-    if shipped_adapter("segment") is not None:  # shipped: on for the segment task
-        ask(page, example="shapes to detect", task="segment", text="circle")
-        switch = page.locator("#adapter").get_by_label("segment", exact=True)
-        expect(switch).to_be_checked(timeout=ANSWER_MS)
-        return
-    example = "shapes to detect"
-    ask(page, example=example, task="segment", text="circle", adapter="none")
-    image, want = expected(reference, example, "segment", "circle", adapter="none")
-    wait_for_answer(page, want)
-    expect(page.locator("#message")).to_have_text(NO_SEGMENT_ADAPTER)
-    # the answer's masks, if any, drawn over the image: nano writes no <seg>
-    drawn = np.asarray(draw_segments(image, want.segments))
-    assert np.array_equal(shown_image(page, "#boxes"), drawn)
+
+def test_segment_without_its_adapter_says_so(reference):
+    """`demo` offers the segment task only with a segment adapter; a page built
+    with the task and no adapter (build_app's `tasks`) answers without one, says so
+    in one line, and draws no mask (nano writes no <seg>)"""
+    from paligemma_lib.app import NO_SEGMENT_ADAPTER, page_handlers
+
+    model, processor = reference
+    on = page_handlers(model, processor, "receipts", segment=None)
+    assert on.on_task("segment") == "none"
+    image = example_image("shapes to detect")
+    with adapter_disabled(model):
+        want = run_task(model, processor, image, "segment", "circle")
+    assert all(seg.mask is None for seg in want.segments)  # no mask to draw
+    shown = on.on_run(image, "segment", "circle", "none", "greedy", 1, 0, 1, 0, 80)
+    messages = [x for x in shown if isinstance(x, str) and NO_SEGMENT_ADAPTER in x]
+    assert len(messages) == 1, shown
+    assert want.text in str(shown)  # the model's own answer, shown
 
 
 @pytest.fixture(scope="module")

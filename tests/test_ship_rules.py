@@ -423,11 +423,17 @@ def test_nano_real_is_chosen_on_validation_and_graded_once_after(tmp_path, ledge
     assert {c[0] for c in choice} == {"new", "nano-real", "nano"}
     # the new model, graded where it was unpacked, before the package changes
     assert test[:2] == ("new", "test")
+    assert test[2] == ship_rules.fresh_start(before, gpu_ingest.REAL_TEST_WORLDS)
     for world, n in gpu_ingest.REAL_TEST_WORLDS.items():
         assert not ship_rules.overlapping(before, world, test[2], test[2] + n - 1)
-    assert len(ship_rules.read_ledger(ledger)["test ranges spent"]) == len(
-        before["test ranges spent"]
-    ) + len(gpu_ingest.REAL_TEST_WORLDS)
+    new_entries = ship_rules.read_ledger(ledger)["test ranges spent"][
+        len(before["test ranges spent"]) :
+    ]
+    # the ranges spent are the ranges graded, world by world
+    assert {(e["world"], e["start"], e["stop"]) for e in new_entries} == {
+        (world, test[2], test[2] + n - 1)
+        for world, n in gpu_ingest.REAL_TEST_WORLDS.items()
+    }
 
 
 def test_the_test_ranges_spent_are_the_examples_graded():

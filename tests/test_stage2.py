@@ -305,7 +305,12 @@ def test_nano_448_is_chosen_on_validation_and_graded_once_after(tmp_path, ledger
     for world, n in sizes.items():
         assert not ship_rules.overlapping(before, world, start, start + n - 1)
     after = ship_rules.read_ledger(ledger)
-    assert len(after["test ranges spent"]) == len(before["test ranges spent"]) + 3
+    new_entries = after["test ranges spent"][len(before["test ranges spent"]) :]
+    # the ranges spent are the ranges graded, world by world
+    assert {(e["world"], e["start"], e["stop"]) for e in new_entries} == {
+        (world, start, start + n - 1) for world, n in sizes.items()
+    }
+    assert {c[3] for c in (test_new, test_nano)} == {start}  # both from there
     assert after["ship decisions"][-1]["model"] == "nano-448"
     saved = json.loads(
         (records / "stage2-gpu-validation-20270101-0000.json").read_text()
