@@ -174,7 +174,8 @@ def encode(self, masks: torch.Tensor) -> torch.Tensor:
         )
     z = self.encoder(2 * masks[:, None].to(self._dtype()) - 1)  # [B, D, 4, 4]
     rows = z.permute(0, 2, 3, 1)  # the quantiser's order; no losses to make
-    return self._vq_vae.nearest_codes(rows).reshape(len(masks), NUM_MASK_TOKENS)
+    codes = self._vq_vae.nearest_codes(rows)  # [B, 4, 4]
+    return codes.reshape(len(masks), NUM_MASK_TOKENS)
 
 
 @patch_to(MaskVAE)

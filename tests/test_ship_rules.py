@@ -459,6 +459,30 @@ def test_the_graders_refuse_a_test_range_spent(tmp_path, monkeypatch):
         evaluate_real_gap.main(["--split", "test", "--start", "0"])
 
 
+def test_a_validation_grade_leaves_the_shipped_record_and_other_records(
+    tmp_path, monkeypatch
+):
+    """A dry run on validation writes its own record, named for its split, and no
+    other: not the shipped adapter's record, not a test record of the same day"""
+    import evaluate_segment
+
+    from paligemma_lib.adapters import resolve_adapter_path
+
+    shipped = resolve_adapter_path("segment") / "training_record.json"
+    before = shipped.read_bytes()
+    grade = {"metrics": {"mIoU": 0.5}, "indices": [0, 1]}
+    monkeypatch.setattr(evaluate_segment, "evaluate", lambda *a, **k: grade)
+    monkeypatch.setattr(evaluate_segment, "ROOT", tmp_path)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    monkeypatch.setattr(sys, "argv", ["x", "--split", "validation", "--n", "2"])
+    evaluate_segment.main()
+    assert shipped.read_bytes() == before
+    [written] = (tmp_path / "benchmarks" / "results").iterdir()
+    assert written.name.startswith("segment-validation-")
+    with pytest.raises(SystemExit):  # the same day again: refused, not overwritten
+        evaluate_segment.main()
+
+
 def test_nano_real_no_better_is_not_shipped_nor_tested(tmp_path, ledger):
     hour = json.loads(
         (ROOT / "paligemma_lib/assets/real/real-cpu-hour-2026-11-26.json").read_text()

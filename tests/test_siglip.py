@@ -182,7 +182,13 @@ def test_bf16_runs_without_nan_and_stays_close(config):
         torch.isfinite(w).all() and w.dtype == torch.bfloat16
         for w in low_explicit.attentions
     )
-    assert (low.float() - full).abs().max() < 0.05 * full.abs().max()
+    # bfloat16 keeps 8 significant bits: each rounding is off by at most 2^-9
+    # relative. Behind one output of CONFIGS: the pixels and the patch weights, the
+    # embedding, positions and their sum; per layer 6 weight matrices and ~14
+    # rounded activations (norm, q, k, v, scores, probabilities, attention output,
+    # out_proj, residual, norm, fc1, GELU, fc2, residual): 20; three layers and the
+    # final norm: N ~ 65. Added up (the worst case), N 2^-9 = 0.13 of the size.
+    assert (low.float() - full).abs().max() < 0.13 * full.abs().max()
 
 
 @pytest.mark.parametrize(

@@ -143,13 +143,17 @@ def main(argv=None) -> int:
             spend(LEDGER, world, args.start, n, by, args.why)
     elif args.start is None:
         args.start = 0
+    if args.out is not None and args.out.exists():  # a record is never overwritten
+        parser.error(f"{args.out} exists: give another --out")
     record = evaluate(
         args.n, args.split, args.adapter, args.old, args.model, args.start
     )
-    out = (
-        args.out
-        or ROOT / "paligemma_lib/assets/real" / f"real-gap-{record['date']}.json"
+    split = "" if args.split == "test" else f"{args.split}-"  # test: as before
+    out = args.out or ROOT / "paligemma_lib/assets/real" / (
+        f"real-gap-{split}{record['date']}.json"
     )
+    if out.exists():  # a record is never overwritten (the grade is in `record`)
+        out = out.with_name(f"{out.stem}-{time.strftime('%H%M%S')}.json")
     out.write_text(json.dumps(record, indent=1) + "\n")
     for world, metrics in record["metrics"].items():
         for task, values in metrics.items():

@@ -114,10 +114,10 @@ def main() -> int:
         help="validation: a dry run that spends no test scene",
     )
     args = parser.parse_args()
-    out = (
-        args.out
-        or ROOT / "benchmarks" / "results" / f"segment-test-{date.today():%Y%m%d}.json"
-    )
+    name = f"segment-{args.split}-{date.today():%Y%m%d}.json"  # the split named
+    out = args.out or ROOT / "benchmarks" / "results" / name
+    if out.exists():  # a record is never overwritten
+        parser.error(f"{out} exists: give --out for this grade's record")
     adapter = resolve_adapter_path("segment")
     if args.split == "test":  # spent before the grade, refused if spent before
         if args.start is None:
@@ -127,11 +127,11 @@ def main() -> int:
     elif args.start is None:
         args.start = 0
     evaluation = evaluate(adapter, args.split, args.start, args.n, args.batch_size)
-    # the shipped adapter's record carries it (the chapter reads it anywhere)
-    record_file = adapter / "training_record.json"
-    record = json.loads(record_file.read_text())
-    record.setdefault("evaluations", {})[f"segments/{args.split}"] = evaluation
-    record_file.write_text(json.dumps(record, indent=1) + "\n")
+    if args.split == "test":  # the shipped adapter's record carries its test grade
+        record_file = adapter / "training_record.json"  # (the chapter reads it)
+        record = json.loads(record_file.read_text())
+        record.setdefault("evaluations", {})["segments/test"] = evaluation
+        record_file.write_text(json.dumps(record, indent=1) + "\n")
     out.write_text(json.dumps(evaluation, indent=1) + "\n")
     for name, value in evaluation["metrics"].items():
         print(f"{name:<26} {value}")
