@@ -284,3 +284,35 @@ def test_nbdev_clean_keeps_the_folds_captions(tmp_path):
     assert folds and folds == [
         c["metadata"]["mystnb"] for c in after["cells"] if "mystnb" in c["metadata"]
     ]
+
+
+# What a GPU call carries beside the tracked files, and what it untracks for the trip
+# (A.4): the wheels (Jupyter's kernel and nbclient for the GPU's Python 3.12, about
+# 12 MB) for the chapters the `branches` part runs; the real pictures (.real-data,
+# 27 MB of xz) for `real`; the files the parts of the call do not read, untracked
+ASSETS = "paligemma_lib/assets/"
+CALL_PLANS = {
+    "a plain call": (12e6, [f"{ASSETS}nano-real/model.safetensors"]),  # wheels
+    "--only segment,profile": (0, []),
+    "--only real": (27e6, [f"{ASSETS}nano-real/model.safetensors",
+                           f"{ASSETS}mask_vae/mask_vae.npz",
+                           f"{ASSETS}segment/adapter_model.safetensors"]),
+    "--only real, GPU_REAL_FROM=nano-real": (27e6, [
+        f"{ASSETS}nano/model.safetensors", f"{ASSETS}mask_vae/mask_vae.npz",
+        f"{ASSETS}segment/adapter_model.safetensors"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("plan", CALL_PLANS)
+def test_each_gpu_call_fits_what_a_call_carries(plan):
+    """A GPU call carries the tracked files and what it names in 64 MiB: each
+    call's plan, as A.4 gives it, fits; a model shipped past that must first say,
+    in A.4 and here, what a call untracks"""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    sizes = {n.decode(): (ROOT / n.decode()).stat().st_size for n in listed if n}
+    carried, untracked = CALL_PLANS[plan]
+    assert all(name in sizes for name in untracked)  # the plan names real files
+    size = sum(sizes.values()) - sum(sizes[name] for name in untracked) + carried
+    assert size <= 64 * 2**20, f"{plan}: {size / 2**20:.1f} MiB"
