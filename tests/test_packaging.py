@@ -294,10 +294,10 @@ ASSETS = "paligemma_lib/assets/"
 CALL_PLANS = {
     "a plain call": (12e6, [f"{ASSETS}nano-real/model.safetensors"]),  # wheels
     "--only segment,profile": (0, []),
-    "--only real": (27e6, [f"{ASSETS}nano-real/model.safetensors",
+    "--only real, GPU_REAL_FROM=nano": (27e6, [f"{ASSETS}nano-real/model.safetensors",
                            f"{ASSETS}mask_vae/mask_vae.npz",
                            f"{ASSETS}segment/adapter_model.safetensors"]),
-    "--only real, GPU_REAL_FROM=nano-real": (27e6, [
+    "--only real (from nano-real)": (27e6, [
         f"{ASSETS}nano/model.safetensors", f"{ASSETS}mask_vae/mask_vae.npz",
         f"{ASSETS}segment/adapter_model.safetensors"]),
 }  # fmt: skip

@@ -320,7 +320,8 @@ def test_ingest_records_the_recipe(tmp_path):
         return {"rows": hour, "command": "evaluate", "commit": "x",
                 "model_sha256": str(model)}  # fmt: skip
 
-    for recipe, written in (("pen", {"recipe": "pen"}), ("base", {})):
+    tries = (("pen", {"recipe": "pen"}, "20270101-0000"), ("base", {}, "20270102-0000"))
+    for recipe, written, stamp in tries:  # two tries: each decided once
         model = tmp_path / recipe
         model.mkdir()
         run = {"steps": 1, "seconds": 1, "train_config": {"batch_size": 2},
@@ -329,7 +330,7 @@ def test_ingest_records_the_recipe(tmp_path):
         records = tmp_path / f"records-{recipe}"
         records.mkdir()
         record = gpu_ingest.ship_real(
-            model, "20270101-0000", evaluate=evaluate, ship=pytest.fail,
+            model, stamp, evaluate=evaluate, ship=pytest.fail,
             ledger=ledger, records=records,
         )  # fmt: skip
         assert record["ships"] is False  # the same answers as the shipped model's

@@ -5,7 +5,8 @@ evaluate, and choose.
 
 The rule (issue 22 section 1): every choice, the learning rate, the LoRA targets, the
 run to ship, is made on the VALIDATION split. `choose` asks `evaluate` for the
-validation split only; the test split is evaluated after the choice, once, to report.
+validation split only, and `Driver.evaluate` grades no other split: test is graded
+once, on the dev machine, on a range the ledger has never seen (tools/ship_rules.py).
 """
 
 import shutil
@@ -140,6 +141,11 @@ class Driver:
         from paligemma_lib.devices import pick_device
         from paligemma_lib.evaluation import compute_metrics, predict
 
+        if split != SELECTION_SPLIT:  # test is the ledger's, graded on the dev machine
+            raise ValueError(
+                f"the GPU tools grade {SELECTION_SPLIT} only, not {split!r}: test is "
+                "graded once, from the ledger's fresh range (tools/evaluate_fresh.py)"
+            )
         device, _ = pick_device()  # float32 weights: the grade, not the speed, counts
         model = load_pretrained(folder, device=device).eval()
         if adapter is not None:

@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
-from gpu_real import PACKED, unpack  # noqa: E402
+from gpu_real import PACKED, REAL_FROM, unpack  # noqa: E402
 
 TOP_KERNELS = 8
 LAUNCHES = ("cudaLaunch", "cuLaunch")  # cudaLaunchKernel, cuLaunchKernel(Ex), ...
@@ -54,7 +54,7 @@ def recipes(env=os.environ) -> dict:
 
     segment = [*SEGMENT_BASE, *next(iter(segment_runs(env).values()))]
     real = list(recipe(env.get("GPU_REAL_RECIPE"))[1])
-    real[real.index("--model") + 1] = env.get("GPU_REAL_FROM", "nano")
+    real[real.index("--model") + 1] = env.get("GPU_REAL_FROM", REAL_FROM)
     return {name: [f for f in flags if f != "--compile"]
             for name, flags in (("segment", segment), ("real", real))}  # fmt: skip
 

@@ -44,6 +44,7 @@ FASHION = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
 DIGITS = "mnist_5k.csv.gz"  # small already: travels as it is
 # nano-real's CPU recipe (chapter 12.2) at a GPU's batch, with more of chapter 11's
 # worlds: on the CPU, a tenth of typed text let its reading fall from 0.885 to 0.665
+REAL_FROM = "nano-real"  # where the part's run starts, unless GPU_REAL_FROM says
 REAL_RUN = [
     "--model", "nano", "--lr", "5e-4", "--batch-size", "128",
     "--worlds", "clothing=0.4,handwriting=0.25,shapes=0.15,ocr=0.2",
@@ -148,9 +149,9 @@ def real(run, budget: float) -> dict:
     size = 2 if run.rehearse else 128
     workers = 1 if run.rehearse else max(1, os.cpu_count() - 1)
     base = [*flags, "--workers", str(workers), *compile_flags(os.environ)]
-    # GPU_REAL_FROM=nano-real: go on from the shipped model (a new schedule), for
-    # more steps than one call's ten minutes hold
-    base[base.index("--model") + 1] = os.environ.get("GPU_REAL_FROM", "nano")
+    # each call goes on from the shipped model (issue 49 section 4), a new schedule
+    # on top of the old; GPU_REAL_FROM=nano trains one from nano, as the first did
+    base[base.index("--model") + 1] = os.environ.get("GPU_REAL_FROM", REAL_FROM)
     if run.rehearse:
         base[base.index("--batch-size") + 1] = str(size)
     driver = Driver(work, work, base)
