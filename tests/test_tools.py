@@ -96,3 +96,10 @@ def test_the_gpu_tools_grade_no_test_example(tool, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [tool.__file__, "--work", str(tmp_path / "w")])
     assert tool.main() == 0
     assert FakeDriver.asked and set(FakeDriver.asked) == {"validation"}
+
+
+def test_the_driver_grades_no_test_example(tmp_path):
+    "Driver.evaluate refuses test before it loads anything"
+    driver = gpu_driver.Driver(tmp_path, tmp_path, [])
+    with pytest.raises(ValueError, match="validation only"):
+        driver.evaluate("nano", "receipts", "test", 8)

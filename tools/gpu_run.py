@@ -39,14 +39,15 @@ GPU_TRAIN_COMPILE=1 makes the segment and real parts train with `train --compile
 (chapter 11.2); they train eagerly otherwise, as the shipped models did.
 
 Four parts run only when asked for (--only): `real`, nano-real's training, going on
-from the shipped nano-real (a call of its own, tools/gpu_real.py); `stage2`, nano's stage 2 at 448 beside a control at 224
-(a call of its own, tools/gpu_stage2.py); `profile`, where a training step of both
-recipes goes (tools/gpu_profile.py); and `decode`, where a compiled decoding step of
-PaliGemma-3B's shapes goes, kernel class by kernel class against the bandwidth, with the
-candidate fixes side by side (tools/gpu_decode.py; its table goes into run.json, no file
-of its own). A whole call, the wheels' install included, ends within CALL, its clock
-started before torch's import. What a call carries and untracks to fit 64 MiB:
-tests/test_packaging.py's CALL_PLANS (A.4).
+from the shipped nano-real (a call of its own, tools/gpu_real.py); `stage2`, nano's
+stage 2 at 448 beside a control at 224 (a call of its own, tools/gpu_stage2.py);
+`profile`, where a training step of both recipes goes (tools/gpu_profile.py); and
+`decode`, where a compiled decoding step of PaliGemma-3B's shapes goes, kernel class by
+kernel class against the bandwidth, with the candidate fixes side by side
+(tools/gpu_decode.py; its table goes into run.json, no file of its own). A whole
+call, the wheels' install included, ends within CALL, its clock started before torch's
+import. What a call carries and untracks to fit 64 MiB: tests/test_packaging.py's
+CALL_PLANS (A.4).
 
 DIR receives at most 8 files: those of the parts the call runs (`PART_FILES`) and
 `COMMON_FILES`. --ingest DIR (on this machine) puts them where
