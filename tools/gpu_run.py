@@ -74,7 +74,7 @@ import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-STARTED = time.time()  # the call's clock starts here, before torch's import
+STARTED = time.time()  # a call's clock starts here, before torch's import (main)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
@@ -183,7 +183,7 @@ CHAPTER_12 = ROOT / "book" / "12_fine_tuning.ipynb"  # its GPU branch's bars
 class Run:
     "DIR, the record run.json, the log; every part writes through it"
 
-    def __init__(self, out: Path, rehearse: bool):
+    def __init__(self, out: Path, rehearse: bool, started: float | None = None):
         self.out, self.rehearse = out, rehearse
         out.mkdir(parents=True, exist_ok=True)
         self.log = open(out / "log.txt", "a")
@@ -202,7 +202,8 @@ class Run:
             }
         self.budgets = REHEARSAL_BUDGETS if rehearse else BUDGETS
         # every part ends by this time, whatever its own budget (time.time())
-        self.deadline = STARTED + (REHEARSAL_CALL if rehearse else CALL) - SLACK
+        began = time.time() if started is None else started  # main: STARTED
+        self.deadline = began + (REHEARSAL_CALL if rehearse else CALL) - SLACK
 
     def left(self) -> float:
         "Seconds until the call's deadline"
@@ -624,8 +625,9 @@ def call_files(parts) -> tuple:
     return COMMON_FILES + tuple(name for p in parts for name in PART_FILES[p])
 
 
-def run_parts(out: Path, parts: list[str], rehearse: bool) -> int:
-    run = Run(out, rehearse)
+def run_parts(out: Path, parts: list[str], rehearse: bool, started=None) -> int:
+    "The parts in one call, whose clock started at `started` (time.time(); now)"
+    run = Run(out, rehearse, started)
     run.say(f"gpu_run: {run.record['environment']}; parts {', '.join(parts)}")
     install_wheels(run)
     for part in parts:
@@ -846,7 +848,7 @@ def main(argv=None) -> int:
         )
     if args.rehearse:
         os.environ["PALIGEMMA_REHEARSE_GPU"] = "t4"
-    return run_parts(args.out, parts, args.rehearse)
+    return run_parts(args.out, parts, args.rehearse, STARTED)
 
 
 if __name__ == "__main__":
