@@ -1,6 +1,7 @@
 """The dependency lists in pyproject.toml and environment.yml agree."""
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -203,6 +204,24 @@ def test_floor_constraints_pin_exactly_the_floors():
             f"{name}: pyproject.toml's floor is {version}, "
             f"constraints-floor.txt pins {pins[name]}"
         )
+
+
+def test_the_readers_torch_and_transformers_are_the_gpu_machines():
+    """.ci/run rehearses the GPU script in the readers' environment, because its torch
+    and transformers are the GPU machine's (A.4 says which): the newest GPU call's
+    record says what that machine had. A machine with newer ones fails this after its
+    record is ingested: then rehearse with its versions, or say here why not"""
+    records = sorted((ROOT / "benchmarks" / "results").glob("gpu-run-*.json"))
+    calls = [json.loads(r.read_text()) for r in records]  # named by date: in order
+    machine = [c for c in calls if not c.get("rehearsal")][-1]["environment"]
+    pins = floor_pins()
+    a4 = (ROOT / "book" / "a4_working_on_the_book.md").read_text()
+    for name, shown in (("torch", "torch"), ("transformers", "`transformers`")):
+        assert machine[name].split("+")[0] == pins[name], (name, machine[name])
+        major_minor = ".".join(pins[name].split(".")[:2])
+        assert f"{shown} {major_minor}" in a4.replace("\n", " "), name
+    script = (ROOT / ".ci" / "run").read_text()
+    assert '"$READERS_VENV/bin/python" tools/gpu_run.py --rehearse' in script
 
 
 def test_readers_environment_installs_what_a_reader_does():
