@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_calls  # noqa: E402  (tools/, this script's folder)
 from bandwidth import nominal_bandwidth  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -599,6 +600,29 @@ def gpu_run() -> str:
     return "\n\n".join(x for x in sections if x)
 
 
+def gpu_calls_bought() -> str:
+    "Every training part a GPU call ran, and the ship decision on what it sent back"
+    found = gpu_calls.rows()
+    if not found:
+        return ""
+    intro = (
+        "Every training part that a call of `tools/gpu_run.py` ran, read from the "
+        "calls' records (`benchmarks/results/gpu-run-*.json`), beside the decision "
+        f"on what it sent back, as the ledger (`{gpu_calls.LEDGER.relative_to(ROOT)}`) "
+        "holds it. A segment part trains two recipes side by side and chooses one "
+        f"on validation scenes {gpu_calls.CHOICE}. The rule that decides now (A.4) "
+        "compares what came back with the shipped adapter on validation scenes "
+        f"{gpu_calls.SHIP}, "
+        "pair by pair, and grades test only once something ships; the tries of "
+        "2026-11-26 were decided by the rules of that day (the last column says on "
+        "what)."
+    )
+    return "\n\n".join(
+        ["## What each GPU call trained, and what shipped", intro,
+         gpu_calls.table(found), gpu_calls.summary(found)]
+    )  # fmt: skip
+
+
 def gpu_run_t4(t4: dict) -> str:
     recipe, lora = t4.get("receipts recipe"), t4.get("3b lora", {})
     if recipe is None:
@@ -801,6 +825,7 @@ def render() -> str:
         gpu_lora(),
         gpu_int8(),
         gpu_run(),
+        gpu_calls_bought(),
         decode_profile(),
         nano_training(),
         cpu_threads(),

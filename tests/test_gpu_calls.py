@@ -1,0 +1,140 @@
+"""tools/gpu_calls.py: the speed page's table of what each GPU call trained and
+whether it shipped (issue 49), on fake records and on the real ones."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import gpu_calls  # noqa: E402
+
+
+def segment_part(started, chosen="rows"):
+    runs = {
+        name: {"examples_per_s": rate, "validation": {"mIoU": miou}}
+        for name, rate, miou in (("lora", 900.0, 0.61), ("rows", 800.0, 0.64))
+    }
+    return {"started": started, "steps": 1000, "batch_size": 64, "runs": runs,
+            "finished": ["lora", "rows"], "chosen on validation": chosen,
+            "part seconds": 120.0}  # fmt: skip
+
+
+def real_part(started, steps):
+    return {"started": started, "steps": steps, "batch_size": 128,
+            "finished": ["real"], "examples_per_s": 2500.0,
+            "part seconds": 240.0}  # fmt: skip
+
+
+def write_call(folder, stamp, parts, rehearsal=False):
+    record = {"rehearsal": rehearsal, "parts": parts,
+              "environment": {"device": "NVIDIA H100 80GB HBM3"}}  # fmt: skip
+    (folder / f"gpu-run-{stamp}.json").write_text(json.dumps(record))
+
+
+def fake_world(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    segment = segment_part("2026-11-28T09:12:40+00:00")
+    write_call(results, "20261128-0912", {
+        "segment": segment, "real": real_part("2026-11-28T09:20:05+00:00", 900),
+        "t4": {"started": "2026-11-28T09:05:00+00:00", "seconds": 60}})  # fmt: skip
+    # a later call run with --only real keeps the segment part it found: once
+    write_call(
+        results,
+        "20261128-1100",
+        {"segment": segment, "real": real_part("2026-11-28T11:00:30+00:00", 1800)},
+    )
+    write_call(results, "20261128-1200", {"segment": segment_part(
+        "2026-11-28T12:00:00+00:00")}, rehearsal=True)  # fmt: skip
+    measures = {
+        "new": {"items named": 0.91, "3-digit numbers read": 0.95},
+        "shipped": {"items named": 0.82, "3-digit numbers read": 0.84},
+    }
+    (tmp_path / "real-record.json").write_text(json.dumps({"measures": measures}))
+    decisions = [
+        {"model": "segment", "try": "2026-11-25 (CPU, 44 min)", "ships": True,
+         "decided on": "validation scenes 100-139"},
+        {"model": "segment", "try": "20261128-0912", "ships": False,
+         "decided on": "validation scenes 64-363", "rises": [], "falls": []},
+        # the same minute, another model: not the segment part's decision
+        {"model": "nano-real", "try": "20261128-0912", "ships": True,
+         "decided on": "elsewhere", "records": ["real-record.json"]},
+        {"model": "nano-real", "try": "20261128-0920", "ships": True,
+         "decided on": "validation: 300 examples",
+         "records": ["real-record.json"], "rises": ["items named"]},
+    ]  # fmt: skip
+    ledger = tmp_path / "ledger.json"
+    ledger.write_text(json.dumps({"ship decisions": decisions}))
+    return results, ledger
+
+
+def test_each_training_part_is_one_row_beside_its_own_decision(tmp_path):
+    results, ledger = fake_world(tmp_path)
+    rows = gpu_calls.rows(results, ledger, tmp_path)
+    cells = [r["cells"] for r in rows]
+    assert [c[:3] for c in cells] == [
+        ["2026-11-28 09:12", "H100", "segment"],
+        ["2026-11-28 09:20", "H100", "nano-real"],
+        ["2026-11-28 11:00", "H100", "nano-real"],
+    ]  # the repeated segment part once, the rehearsal and the T4 part not at all
+    segment, real, undecided = cells
+    assert segment[3:5] == ["1,000 steps of 64", "lora 900; rows 800"]
+    assert (
+        segment[5]
+        == f"mIoU, scenes {gpu_calls.CHOICE}: lora 0.610, rows 0.640; chose rows"
+    )
+    assert segment[6] == "no (decided on validation scenes 64-363)"
+    assert real[5] == (
+        "items named 0.910 (shipped 0.820); 3-digit numbers read 0.950 (shipped 0.840)"
+    )
+    assert real[6] == "yes (decided on validation: 300 examples)"
+    assert undecided[6] == "not decided: the ledger holds no decision"
+    assert [r["examples"] for r in rows] == [2 * 64_000, 900 * 128, 1800 * 128]
+    summary = gpu_calls.summary(rows)
+    assert summary.startswith("3 training parts in all, 10 GPU minutes, ")
+    assert summary.endswith(" 1 shipped.")
+
+
+def test_a_stage2_part_shows_what_rose_by_the_margin(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    models = {"448": {"examples_per_s": 700.0}, "224": {"examples_per_s": 2000.0}}
+    stage2 = {"started": "2026-11-29T08:00:10+00:00", "steps": 600, "batch_size": 128,
+              "finished": ["448", "224"], "models": models}  # fmt: skip
+    write_call(results, "20261129-0800", {"stage2": stage2})
+    (tmp_path / "s2.json").write_text("{}")
+    entry = {"model": "nano-448", "try": "20261129-0800", "ships": True,
+             "decided on": "validation from index 0", "records": ["s2.json"],
+             "rises": ["detail CER"]}  # fmt: skip
+    ledger = tmp_path / "ledger.json"
+    ledger.write_text(json.dumps({"ship decisions": [entry]}))
+    (row,) = gpu_calls.rows(results, ledger, tmp_path)
+    assert row["cells"][2:] == [
+        "nano-448", "600 steps of 128", "448 700; 224 2,000",
+        "rose by the margin: detail CER", "yes (decided on validation from index 0)",
+    ]  # fmt: skip
+    assert row["examples"] == 2 * 600 * 128
+
+
+def test_every_gpu_decision_of_the_ledger_is_a_row_of_the_page():
+    """No decision on a GPU call's part goes unshown: each one the ledger holds
+    (a try stamped to the minute) is the decision of a row, and the page shows the
+    table as the script writes it"""
+    ledger = json.loads(gpu_calls.LEDGER.read_text())
+    decided = gpu_calls.decisions(ledger)
+    assert decided, "the ledger holds GPU decisions (2026-11-26's)"
+    rows = gpu_calls.rows()
+    shown = {(r["cells"][2], gpu_calls.minute(r["cells"][0])) for r in rows}
+    assert set(decided) <= shown, set(decided) - shown
+    page = (ROOT / "book" / "a2_speed_and_memory.md").read_text()
+    assert gpu_calls.table(rows) in page and gpu_calls.summary(rows) in page
+
+
+def test_the_scenes_the_page_names_are_the_ones_the_parts_read():
+    """The choice's scenes are those the ledger's segment tries name, and the ship
+    decision's begin past them: what chose a run does not decide its ship"""
+    for entry in json.loads(gpu_calls.LEDGER.read_text())["ship decisions"]:
+        if "validation scenes" in entry.get("part", {}):
+            assert entry["part"]["validation scenes"] == gpu_calls.CHOICE
+    assert gpu_calls.SEGMENT_SHIP_SCENES[0] == gpu_calls.SEGMENT_VALIDATION

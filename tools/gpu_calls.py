@@ -1,0 +1,142 @@
+# Hand-written, not exported from a notebook.
+"""What each GPU call bought: every training part that a call of tools/gpu_run.py
+ran (its record, benchmarks/results/gpu-run-*.json), beside the ship decision that
+the ledger (paligemma_lib/assets/ledger.json) holds for it, matched by the part's
+start to the minute. tools/speed_page.py prints the table on the speed page; issue
+49 asks for it: GPU minutes are rare, and each must show what it bought.
+
+    python tools/gpu_calls.py        # the table, as the speed page shows it
+"""
+
+import json
+import re
+from pathlib import Path
+
+from gpu_ingest import SEGMENT_SHIP_SCENES
+from gpu_run import SEGMENT_VALIDATION
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+LEDGER = ROOT / "paligemma_lib" / "assets" / "ledger.json"
+# the parts that train a model or adapter, and the name its ship decisions carry
+TRAINING = {"segment": "segment", "real": "nano-real", "stage2": "nano-448"}
+SHOWN_GOALS = ("items named", "3-digit numbers read")  # nano-real's two missed
+CHOICE = f"0-{SEGMENT_VALIDATION - 1}"  # the scenes a segment part chooses on
+SHIP = f"{SEGMENT_SHIP_SCENES[0]}-{sum(SEGMENT_SHIP_SCENES) - 1}"
+HEADER = ["call (UTC)", "GPU", "part", "trained", "examples/s", "on validation",
+          "shipped"]  # fmt: skip
+
+
+def minute(text: str) -> str:
+    """A part's start or a try's stamp, to the minute: '2026-11-26T04:38:11+00:00',
+    '2026-11-26 04:38 (H200)' and '20261126-0438' are all '202611260438'"""
+    return re.sub(r"\D", "", text)[:12]
+
+
+def short_gpu(device: str) -> str:
+    "'NVIDIA H100 80GB HBM3' -> 'H100'"
+    found = re.search(r"\b([A-Z]\d{2,4})\b", device)
+    return found.group(1) if found else device
+
+
+def calls(results: Path = RESULTS) -> list[tuple[str, dict]]:
+    "(file name, record) of every real call (no rehearsal), oldest first"
+    found = sorted(results.glob("gpu-run-*.json"))  # named by date: in order
+    records = [(p.name, json.loads(p.read_text())) for p in found]
+    return [(name, r) for name, r in records if not r.get("rehearsal")]
+
+
+def decisions(ledger: dict) -> dict[tuple[str, str], dict]:
+    "(model, minute of its try) -> the ship decision, for the GPU tries"
+    found = {}
+    for entry in ledger["ship decisions"]:
+        when = minute(entry["try"])
+        if len(when) == 12:  # a try stamped to the minute: a GPU call's part
+            found[entry["model"], when] = entry
+    return found
+
+
+def rates(part: dict) -> str:
+    "Each run's examples a second"
+    runs = part.get("runs") or part.get("models")
+    if isinstance(runs, dict):
+        return "; ".join(f"{n} {r['examples_per_s']:,.0f}" for n, r in runs.items())
+    return f"{part['examples_per_s']:,.0f}"
+
+
+def on_validation(name: str, part: dict, entry: dict | None, root: Path) -> str:
+    "What the part's runs scored on validation, and what the decision compared"
+    if name == "segment":
+        scores = ", ".join(f"{n} {r['validation']['mIoU']:.3f}"
+                           for n, r in part["runs"].items())  # fmt: skip
+        return f"mIoU, scenes {CHOICE}: {scores}; chose {part['chosen on validation']}"
+    if entry is None or not entry.get("records"):
+        return "not graded here"
+    record = json.loads((root / entry["records"][0]).read_text())
+    if name == "real":
+        new, old = record["measures"]["new"], record["measures"]["shipped"]
+        return "; ".join(
+            f"{m} {new[m]:.3f} (shipped {old[m]:.3f})" for m in SHOWN_GOALS
+        )
+    rose = ", ".join(entry.get("rises", [])) or "nothing"
+    return f"rose by the margin: {rose}"
+
+
+def shipped(entry: dict | None) -> str:
+    "The ledger's decision, as it was made"
+    if entry is None:
+        return "not decided: the ledger holds no decision"
+    answer = "yes" if entry["ships"] else "no"
+    if "new" in entry and "shipped" in entry:  # the tries before the paired rule
+        answer += f", {entry['new']:.3f} against {entry['shipped']:.3f}"
+    answer += f" (decided on {entry['decided on']})"
+    if "sent back" in entry:
+        answer += f"; sent back: {entry['sent back']}"
+    return answer
+
+
+def rows(results: Path = RESULTS, ledger: Path = LEDGER, root: Path = ROOT) -> list:
+    "One row a training part, oldest first; a part a later record repeats, once"
+    decided, seen, out = decisions(json.loads(ledger.read_text())), set(), []
+    for file, call in calls(results):
+        for name, model in TRAINING.items():
+            part = call["parts"].get(name)
+            if part is None or "steps" not in part or (name, part["started"]) in seen:
+                continue
+            seen.add((name, part["started"]))
+            entry = decided.get((model, minute(part["started"])))
+            trained = f"{part['steps']:,} steps of {part['batch_size']}"
+            out.append({
+                "record": file, "seconds": part.get("part seconds", 0.0),
+                "examples": part["steps"] * part["batch_size"]
+                * len(part.get("finished", [None])),
+                "ships": bool(entry and entry["ships"]),
+                "cells": [part["started"][:16].replace("T", " "),
+                          short_gpu(call["environment"]["device"]), model, trained,
+                          rates(part), on_validation(name, part, entry, root),
+                          shipped(entry)],
+            })  # fmt: skip
+    return out
+
+
+def table(found: list) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(r["cells"]) + " |" for r in found]
+    return "\n".join(lines)
+
+
+def summary(found: list) -> str:
+    "The totals: minutes, examples, models shipped"
+    minutes = sum(r["seconds"] for r in found) / 60
+    examples = sum(r["examples"] for r in found)
+    ships = sum(r["ships"] for r in found)
+    return (
+        f"{len(found)} training parts in all, {minutes:.0f} GPU minutes, "
+        f"{examples:,} examples trained on (each run of a part counted); "
+        f"{ships} shipped."
+    )
+
+
+if __name__ == "__main__":
+    found = rows()
+    print(table(found) + "\n\n" + summary(found))
