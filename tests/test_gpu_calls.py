@@ -138,3 +138,22 @@ def test_the_scenes_the_page_names_are_the_ones_the_parts_read():
         if "validation scenes" in entry.get("part", {}):
             assert entry["part"]["validation scenes"] == gpu_calls.CHOICE
     assert gpu_calls.SEGMENT_SHIP_SCENES[0] == gpu_calls.SEGMENT_VALIDATION
+
+
+def test_a_failed_part_is_a_row_that_says_why(tmp_path):
+    """A part that trained but failed later (a run crashed, a file too many) still
+    spent its minutes: its row says so in its own words, one cell however it reads"""
+    results = tmp_path / "results"
+    results.mkdir()
+    part = segment_part("2026-11-29T09:00:00+00:00")
+    del part["runs"]["rows"]["validation"], part["runs"]["rows"]["examples_per_s"]
+    part["error"] = "Traceback:\n  a | b\nRuntimeError: boom"
+    write_call(results, "20261129-0900", {"segment": part})
+    ledger = tmp_path / "ledger.json"
+    ledger.write_text(json.dumps({"ship decisions": []}))
+    rows = gpu_calls.rows(results, ledger, tmp_path)
+    (row,) = [r["cells"] for r in rows]
+    assert row[4] == "lora 900; rows -"
+    assert row[5] == "the part failed: Traceback: a | b RuntimeError: boom"
+    (line,) = [x for x in gpu_calls.table(rows).splitlines() if "boom" in x]
+    assert line.count(" | ") == len(gpu_calls.HEADER) - 1  # the cell's '|' escaped

@@ -56,20 +56,32 @@ def decisions(ledger: dict) -> dict[tuple[str, str], dict]:
     return found
 
 
+def number(value, spec: str) -> str:
+    "A measure as the table prints it; a run that wrote none (it failed): -"
+    return "-" if value is None else format(value, spec)
+
+
 def rates(part: dict) -> str:
     "Each run's examples a second"
     runs = part.get("runs") or part.get("models")
     if isinstance(runs, dict):
-        return "; ".join(f"{n} {r['examples_per_s']:,.0f}" for n, r in runs.items())
-    return f"{part['examples_per_s']:,.0f}"
+        return "; ".join(
+            f"{n} {number(r.get('examples_per_s'), ',.0f')}" for n, r in runs.items()
+        )
+    return number(part.get("examples_per_s"), ",.0f")
 
 
 def on_validation(name: str, part: dict, entry: dict | None, root: Path) -> str:
     "What the part's runs scored on validation, and what the decision compared"
+    if "error" in part:  # what the minutes bought: the part's own words why not
+        return "the part failed: " + " ".join(str(part["error"]).split())
     if name == "segment":
-        scores = ", ".join(f"{n} {r['validation']['mIoU']:.3f}"
-                           for n, r in part["runs"].items())  # fmt: skip
-        return f"mIoU, scenes {CHOICE}: {scores}; chose {part['chosen on validation']}"
+        scores = ", ".join(
+            f"{n} {number(r.get('validation', {}).get('mIoU'), '.3f')}"
+            for n, r in part["runs"].items()
+        )
+        chosen = part.get("chosen on validation", "none")
+        return f"mIoU, scenes {CHOICE}: {scores}; chose {chosen}"
     if entry is None or not entry.get("records"):
         return "not graded here"
     record = json.loads((root / entry["records"][0]).read_text())
@@ -120,8 +132,12 @@ def rows(results: Path = RESULTS, ledger: Path = LEDGER, root: Path = ROOT) -> l
 
 
 def table(found: list) -> str:
+    "The rows as a Markdown table (a '|' in a cell escaped, so it stays one cell)"
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(r["cells"]) + " |" for r in found]
+    for row in found:
+        lines.append(
+            "| " + " | ".join(c.replace("|", "\\|") for c in row["cells"]) + " |"
+        )
     return "\n".join(lines)
 
 
