@@ -74,22 +74,20 @@ def test_each_training_part_is_one_row_beside_its_own_decision(tmp_path):
     rows = gpu_calls.rows(results, ledger, tmp_path)
     cells = [r["cells"] for r in rows]
     assert [c[:3] for c in cells] == [
-        ["2026-11-28 09:12", "H100", "segment"],
-        ["2026-11-28 09:20", "H100", "nano-real"],
-        ["2026-11-28 11:00", "H100", "nano-real"],
+        ["28 Nov 2026, 09:12", "H100", "segment"],
+        ["28 Nov 2026, 09:20", "H100", "nano-real"],
+        ["28 Nov 2026, 11:00", "H100", "nano-real"],
     ]  # the repeated segment part once, the rehearsal and the T4 part not at all
     segment, real, undecided = cells
-    assert segment[3:5] == ["1,000 steps of 64", "lora 900; rows 800"]
-    assert (
-        segment[5]
-        == f"mIoU, scenes {gpu_calls.CHOICE}: lora 0.610, rows 0.640; chose rows"
-    )
-    assert segment[6] == "no (decided on validation scenes 64-363)"
-    assert real[5] == (
-        "items named 0.910 (shipped 0.820); 3-digit numbers read 0.950 (shipped 0.840)"
-    )
-    assert real[6] == "yes (decided on validation: 300 examples)"
-    assert undecided[6] == "not decided: the ledger holds no decision"
+    assert segment[3:] == ["1,000 \u00d7 64", "lora 900; rows 800",
+                           "lora 0.610, rows 0.640; chose rows", "no"]  # fmt: skip
+    assert real[5:] == ["0.910, 0.950 (was 0.820, 0.840)", "yes"]
+    assert undecided[5:] == ["-", "not decided"]
+    assert [r["details"] for r in rows] == [
+        "28 Nov 2026, 09:12, segment: decided on validation scenes 64-363.",
+        "28 Nov 2026, 09:20, nano-real: decided on validation: 300 examples.",
+        "28 Nov 2026, 11:00, nano-real: the ledger holds no decision on it.",
+    ]
     assert [r["examples"] for r in rows] == [2 * 64_000, 900 * 128, 1800 * 128]
     summary = gpu_calls.summary(rows)
     assert summary.startswith("3 training parts in all, 10 GPU minutes, ")
@@ -111,8 +109,7 @@ def test_a_stage2_part_shows_what_rose_by_the_margin(tmp_path):
     ledger.write_text(json.dumps({"ship decisions": [entry]}))
     (row,) = gpu_calls.rows(results, ledger, tmp_path)
     assert row["cells"][2:] == [
-        "nano-448", "600 steps of 128", "448 700; 224 2,000",
-        "rose by the margin: detail CER", "yes (decided on validation from index 0)",
+        "nano-448", "600 \u00d7 128", "448 700; 224 2,000", "rose: detail CER", "yes"
     ]  # fmt: skip
     assert row["examples"] == 2 * 600 * 128
 
@@ -125,7 +122,7 @@ def test_every_gpu_decision_of_the_ledger_is_a_row_of_the_page():
     decided = gpu_calls.decisions(ledger)
     assert decided, "the ledger holds GPU decisions (2026-11-26's)"
     rows = gpu_calls.rows()
-    shown = {(r["cells"][2], gpu_calls.minute(r["cells"][0])) for r in rows}
+    shown = {(r["cells"][2], gpu_calls.minute(r["started"])) for r in rows}
     assert set(decided) <= shown, set(decided) - shown
     page = (ROOT / "book" / "a2_speed_and_memory.md").read_text()
     assert gpu_calls.table(rows) in page and gpu_calls.summary(rows) in page
@@ -142,7 +139,8 @@ def test_the_scenes_the_page_names_are_the_ones_the_parts_read():
 
 def test_a_failed_part_is_a_row_that_says_why(tmp_path):
     """A part that trained but failed later (a run crashed, a file too many) still
-    spent its minutes: its row says so in its own words, one cell however it reads"""
+    spent its minutes: its row says so, and the list under the table says why in
+    the part's own words"""
     results = tmp_path / "results"
     results.mkdir()
     part = segment_part("2026-11-29T09:00:00+00:00")
@@ -153,7 +151,9 @@ def test_a_failed_part_is_a_row_that_says_why(tmp_path):
     ledger.write_text(json.dumps({"ship decisions": []}))
     rows = gpu_calls.rows(results, ledger, tmp_path)
     (row,) = [r["cells"] for r in rows]
-    assert row[4] == "lora 900; rows -"
-    assert row[5] == "the part failed: Traceback: a | b RuntimeError: boom"
-    (line,) = [x for x in gpu_calls.table(rows).splitlines() if "boom" in x]
-    assert line.count(" | ") == len(gpu_calls.HEADER) - 1  # the cell's '|' escaped
+    assert row[4:] == ["lora 900; rows -", "-", "failed"]
+    assert rows[0]["details"] == (
+        "29 Nov 2026, 09:00, segment: the part failed: Traceback: a | b "
+        "RuntimeError: boom."
+    )
+    assert "- " + rows[0]["details"] in gpu_calls.table(rows)

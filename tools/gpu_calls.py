@@ -10,6 +10,7 @@ start to the minute. tools/speed_page.py prints the table on the speed page; iss
 
 import json
 import re
+from datetime import datetime
 from pathlib import Path
 
 from gpu_ingest import SEGMENT_SHIP_SCENES
@@ -23,14 +24,21 @@ TRAINING = {"segment": "segment", "real": "nano-real", "stage2": "nano-448"}
 SHOWN_GOALS = ("items named", "3-digit numbers read")  # nano-real's two missed
 CHOICE = f"0-{SEGMENT_VALIDATION - 1}"  # the scenes a segment part chooses on
 SHIP = f"{SEGMENT_SHIP_SCENES[0]}-{sum(SEGMENT_SHIP_SCENES) - 1}"
-HEADER = ["call (UTC)", "GPU", "part", "trained", "examples/s", "on validation",
-          "shipped"]  # fmt: skip
+MONTHS = "Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split()
+HEADER = ["call (UTC)", "GPU", "part", "steps \u00d7 batch", "examples a second",
+          "on validation", "shipped"]  # fmt: skip
 
 
 def minute(text: str) -> str:
     """A part's start or a try's stamp, to the minute: '2026-11-26T04:38:11+00:00',
     '2026-11-26 04:38 (H200)' and '20261126-0438' are all '202611260438'"""
     return re.sub(r"\D", "", text)[:12]
+
+
+def day_and_time(started: str) -> str:
+    "'2026-11-26T04:38:11+00:00' -> '26 Nov 2026, 04:38' (no hyphen to break a cell)"
+    at = datetime.fromisoformat(started)
+    return f"{at.day} {MONTHS[at.month - 1]} {at.year}, {at:%H:%M}"
 
 
 def short_gpu(device: str) -> str:
@@ -72,39 +80,47 @@ def rates(part: dict) -> str:
 
 
 def on_validation(name: str, part: dict, entry: dict | None, root: Path) -> str:
-    "What the part's runs scored on validation, and what the decision compared"
-    if "error" in part:  # what the minutes bought: the part's own words why not
-        return "the part failed: " + " ".join(str(part["error"]).split())
+    """What the part's runs scored on validation, or what the decision compared:
+    short, with no range or date in it (a narrow cell breaks those at hyphens)"""
+    if "error" in part:  # its words go under the table (`details`)
+        return "-"
     if name == "segment":
         scores = ", ".join(
             f"{n} {number(r.get('validation', {}).get('mIoU'), '.3f')}"
             for n, r in part["runs"].items()
         )
-        chosen = part.get("chosen on validation", "none")
-        return f"mIoU, scenes {CHOICE}: {scores}; chose {chosen}"
+        return f"{scores}; chose {part.get('chosen on validation', 'none')}"
     if entry is None or not entry.get("records"):
-        return "not graded here"
+        return "-"
     record = json.loads((root / entry["records"][0]).read_text())
     if name == "real":
         new, old = record["measures"]["new"], record["measures"]["shipped"]
-        return "; ".join(
-            f"{m} {new[m]:.3f} (shipped {old[m]:.3f})" for m in SHOWN_GOALS
-        )
-    rose = ", ".join(entry.get("rises", [])) or "nothing"
-    return f"rose by the margin: {rose}"
+        now = ", ".join(f"{new[m]:.3f}" for m in SHOWN_GOALS)
+        return f"{now} (was {', '.join(f'{old[m]:.3f}' for m in SHOWN_GOALS)})"
+    return "rose: " + (", ".join(entry.get("rises", [])) or "nothing")
 
 
-def shipped(entry: dict | None) -> str:
-    "The ledger's decision, as it was made"
+def answer(part: dict, entry: dict | None) -> str:
+    "The table's last cell: yes, no, not decided, failed"
+    if "error" in part:
+        return "failed"
     if entry is None:
-        return "not decided: the ledger holds no decision"
-    answer = "yes" if entry["ships"] else "no"
+        return "not decided"
+    return "yes" if entry["ships"] else "no"
+
+
+def details(part: dict, entry: dict | None) -> str:
+    "The decision as the ledger words it (under the table), or why there is none"
+    if "error" in part:
+        return "the part failed: " + " ".join(str(part["error"]).split())
+    if entry is None:
+        return "the ledger holds no decision on it"
+    said = f"decided on {entry['decided on']}"
     if "new" in entry and "shipped" in entry:  # the tries before the paired rule
-        answer += f", {entry['new']:.3f} against {entry['shipped']:.3f}"
-    answer += f" (decided on {entry['decided on']})"
+        said += f", {entry['new']:.3f} against {entry['shipped']:.3f}"
     if "sent back" in entry:
-        answer += f"; sent back: {entry['sent back']}"
-    return answer
+        said += f"; sent back: {entry['sent back']}"
+    return said
 
 
 def rows(results: Path = RESULTS, ledger: Path = LEDGER, root: Path = ROOT) -> list:
@@ -117,28 +133,27 @@ def rows(results: Path = RESULTS, ledger: Path = LEDGER, root: Path = ROOT) -> l
                 continue
             seen.add((name, part["started"]))
             entry = decided.get((model, minute(part["started"])))
-            trained = f"{part['steps']:,} steps of {part['batch_size']}"
+            when = day_and_time(part["started"])
             out.append({
-                "record": file, "seconds": part.get("part seconds", 0.0),
+                "record": file, "started": part["started"],
+                "seconds": part.get("part seconds", 0.0),
                 "examples": part["steps"] * part["batch_size"]
                 * len(part.get("finished", [None])),
                 "ships": bool(entry and entry["ships"]),
-                "cells": [part["started"][:16].replace("T", " "),
-                          short_gpu(call["environment"]["device"]), model, trained,
+                "cells": [when, short_gpu(call["environment"]["device"]), model,
+                          f"{part['steps']:,} \u00d7 {part['batch_size']}",
                           rates(part), on_validation(name, part, entry, root),
-                          shipped(entry)],
+                          answer(part, entry)],
+                "details": f"{when}, {model}: {details(part, entry)}.",
             })  # fmt: skip
     return out
 
 
 def table(found: list) -> str:
-    "The rows as a Markdown table (a '|' in a cell escaped, so it stays one cell)"
+    "The rows as a Markdown table, then each row's decision as the ledger words it"
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    for row in found:
-        lines.append(
-            "| " + " | ".join(c.replace("|", "\\|") for c in row["cells"]) + " |"
-        )
-    return "\n".join(lines)
+    lines += ["| " + " | ".join(row["cells"]) + " |" for row in found]
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {r['details']}" for r in found)
 
 
 def summary(found: list) -> str:

@@ -609,13 +609,16 @@ def gpu_calls_bought() -> str:
         "Every training part that a call of `tools/gpu_run.py` ran, read from the "
         "calls' records (`benchmarks/results/gpu-run-*.json`), beside the decision "
         f"on what it sent back, as the ledger (`{gpu_calls.LEDGER.relative_to(ROOT)}`) "
-        "holds it. A segment part trains two recipes side by side and chooses one "
-        f"on validation scenes {gpu_calls.CHOICE}. The rule that decides now (A.4) "
-        "compares what came back with the shipped adapter on validation scenes "
-        f"{gpu_calls.SHIP}, "
-        "pair by pair, and grades test only once something ships; the tries of "
-        "2026-11-26 were decided by the rules of that day (the last column says on "
-        "what)."
+        "holds it. A segment part trains two recipes side by side; its column "
+        "'on validation' gives each one's mask mIoU on validation scenes "
+        f"{gpu_calls.CHOICE}, which the part chooses on. For nano-real it gives the "
+        "two goals the model had not met, items named and three-digit numbers "
+        "read, on the decision's validation examples, and the shipped model's "
+        "before it. Under the table, each decision as the ledger words it. The rule "
+        "that decides now (A.4) compares what came back with the shipped adapter on "
+        f"validation scenes {gpu_calls.SHIP}, pair by pair, and grades test only "
+        "once something ships; the tries of 2026-11-26 were decided by the rules of "
+        "that day."
     )
     return "\n\n".join(
         ["## What each GPU call trained, and what shipped", intro,
