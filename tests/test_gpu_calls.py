@@ -27,7 +27,9 @@ def real_part(started, steps):
 
 
 def write_call(folder, stamp, parts, rehearsal=False):
-    record = {"rehearsal": rehearsal, "parts": parts,
+    day, time = stamp.split("-")  # the call's start, as gpu_run.py names its file
+    started = f"{day[:4]}-{day[4:6]}-{day[6:]}T{time[:2]}:{time[2:]}:00+00:00"
+    record = {"started": started, "rehearsal": rehearsal, "parts": parts,
               "environment": {"device": "NVIDIA H100 80GB HBM3"}}  # fmt: skip
     (folder / f"gpu-run-{stamp}.json").write_text(json.dumps(record))
 
@@ -84,8 +86,10 @@ def test_each_training_part_is_one_row_beside_its_own_decision(tmp_path):
     assert real[5:] == ["0.910, 0.950 (was 0.820, 0.840)", "yes"]
     assert undecided[5:] == ["-", "not decided"]
     assert [r["details"] for r in rows] == [
-        "28 Nov 2026, 09:12, segment: decided on validation scenes 64-363.",
-        "28 Nov 2026, 09:20, nano-real: decided on validation: 300 examples.",
+        "28 Nov 2026, 09:12, segment: decided on validation scenes 64-363; rose by "
+        "the margin: nothing; fell by it: nothing.",
+        "28 Nov 2026, 09:20, nano-real: decided on validation: 300 examples; rose "
+        "by the margin: items named; fell by it: nothing.",
         "28 Nov 2026, 11:00, nano-real: the ledger holds no decision on it.",
     ]
     assert [r["examples"] for r in rows] == [2 * 64_000, 900 * 128, 1800 * 128]
@@ -146,12 +150,19 @@ def test_a_failed_part_is_a_row_that_says_why(tmp_path):
     part = segment_part("2026-11-29T09:00:00+00:00")
     del part["runs"]["rows"]["validation"], part["runs"]["rows"]["examples_per_s"]
     part["error"] = "Traceback:\n  a | b\nRuntimeError: boom"
-    write_call(results, "20261129-0900", {"segment": part})
+    # and a part that failed before it trained a step: its minutes are counted too
+    # (a record older than the parts' own starts: the call's start stands in)
+    untrained = {"error": "calibration failed", "part seconds": 60.0}
+    write_call(results, "20261129-0900", {"segment": part, "stage2": untrained})
     ledger = tmp_path / "ledger.json"
     ledger.write_text(json.dumps({"ship decisions": []}))
     rows = gpu_calls.rows(results, ledger, tmp_path)
-    (row,) = [r["cells"] for r in rows]
+    row, nothing = [r["cells"] for r in rows]
     assert row[4:] == ["lora 900; rows -", "-", "failed"]
+    assert nothing[::2] == ["29 Nov 2026, 09:00", "nano-448", "-", "failed"]
+    assert nothing[3:6] == ["-", "-", "-"]
+    assert rows[1]["details"].endswith("nano-448: the part failed: calibration failed.")
+    assert gpu_calls.summary(rows).startswith("2 training parts in all, 3 GPU minutes")
     assert rows[0]["details"] == (
         "29 Nov 2026, 09:00, segment: the part failed: Traceback: a | b "
         "RuntimeError: boom."

@@ -118,6 +118,10 @@ def details(part: dict, entry: dict | None) -> str:
     said = f"decided on {entry['decided on']}"
     if "new" in entry and "shipped" in entry:  # the tries before the paired rule
         said += f", {entry['new']:.3f} against {entry['shipped']:.3f}"
+    if "rises" in entry:  # the paired rule's words: what moved by the margin
+        rose = ", ".join(entry["rises"]) or "nothing"
+        fell = ", ".join(entry.get("falls", [])) or "nothing"
+        said += f"; rose by the margin: {rose}; fell by it: {fell}"
     if "sent back" in entry:
         said += f"; sent back: {entry['sent back']}"
     return said
@@ -129,19 +133,22 @@ def rows(results: Path = RESULTS, ledger: Path = LEDGER, root: Path = ROOT) -> l
     for file, call in calls(results):
         for name, model in TRAINING.items():
             part = call["parts"].get(name)
-            if part is None or "steps" not in part or (name, part["started"]) in seen:
+            # a part's call: its start (a part an --only call kept from an earlier
+            # call carries that call's); a part that failed untrained is shown too
+            started = None if part is None else part.get("started", call["started"])
+            if part is None or (name, started) in seen:
                 continue
-            seen.add((name, part["started"]))
-            entry = decided.get((model, minute(part["started"])))
-            when = day_and_time(part["started"])
+            seen.add((name, started))
+            entry = decided.get((model, minute(started)))
+            when = day_and_time(started)
+            steps, batch = part.get("steps", 0), part.get("batch_size", 0)
             out.append({
-                "record": file, "started": part["started"],
+                "record": file, "started": started,
                 "seconds": part.get("part seconds", 0.0),
-                "examples": part["steps"] * part["batch_size"]
-                * len(part.get("finished", [None])),
+                "examples": steps * batch * len(part.get("finished", [])),
                 "ships": bool(entry and entry["ships"]),
                 "cells": [when, short_gpu(call["environment"]["device"]), model,
-                          f"{part['steps']:,} \u00d7 {part['batch_size']}",
+                          f"{steps:,} \u00d7 {batch}" if steps else "-",
                           rates(part), on_validation(name, part, entry, root),
                           answer(part, entry)],
                 "details": f"{when}, {model}: {details(part, entry)}.",
