@@ -6,7 +6,9 @@ import ast
 import inspect
 import json
 import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -448,3 +450,29 @@ def test_the_training_parts_compile_only_when_asked():
     assert all("--compile" not in f for f in gpu_run.segment_runs({}).values())
     with pytest.raises(ValueError, match="GPU_TRAIN_COMPILE=yes: use 1"):
         compile_flags({"GPU_TRAIN_COMPILE": "yes"})
+
+
+def test_a_run_leaves_no_temporary_files(tmp_path, monkeypatch):
+    "What a part and its children put in the temporary folder is gone after the run"
+    made = []
+
+    def part(run, budget):
+        made.append(Path(tempfile.mkdtemp()))
+        child = "import tempfile; print(tempfile.mkdtemp())"
+        made.append(
+            Path(
+                subprocess.check_output(
+                    [sys.executable, "-c", child], text=True
+                ).strip()
+            )
+        )
+        assert all(p.is_dir() for p in made)
+        return {}
+
+    monkeypatch.setitem(gpu_run.PART_FUNCTIONS, "speed", part)
+    before = tempfile.gettempdir()
+    gpu_run.main(["--rehearse", "--only", "speed", "--out", str(tmp_path / "out")])
+    assert len(made) == 2 and made[0].parent == made[1].parent  # the child's is ours
+    assert not made[0].parent.exists()
+    assert tempfile.gettempdir() == before
+    assert (tmp_path / "out" / "run.json").exists()  # what comes back is not scratch

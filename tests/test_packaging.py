@@ -224,6 +224,21 @@ def test_the_readers_torch_and_transformers_are_the_gpu_machines():
     assert '"$READERS_VENV/bin/python" tools/gpu_run.py --rehearse' in script
 
 
+def test_ci_keeps_every_temporary_file_in_the_folder_it_removes():
+    """CI runs again and again on one machine: a step's leftovers in /tmp (the GPU
+    rehearsal's models, chapters' work folders, torch's compile cache) once filled
+    its disk and failed a run. .ci/run points TMPDIR into the folder its exit trap
+    removes, before its first step"""
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    trap = lines.index("trap 'rm -rf \"$work\"' EXIT")
+    export = next(i for i, x in enumerate(lines) if x.startswith("export TMPDIR="))
+    first_step = next(i for i, x in enumerate(lines) if "-m venv" in x)
+    assert lines[export].startswith('export TMPDIR="$work/')
+    assert trap < export < first_step
+    absolute = re.compile(r"""(^|[\s='"])/tmp\b""")  # a path of its own in /tmp
+    assert not [x for x in lines if absolute.search(x.split("#")[0])]
+
+
 def test_readers_environment_installs_what_a_reader_does():
     """Issue 28: .ci/readers_env installs the library with the extra the setup cell
     installs, and only the test runner besides (a package it added, playwright once,

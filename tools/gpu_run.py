@@ -59,6 +59,7 @@ examples the ledger (paligemma_lib/assets/ledger.json) has never seen
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -806,6 +807,23 @@ def fetch_wheels() -> int:
     return subprocess.run(list(map(str, command))).returncode  # fmt: skip
 
 
+@contextlib.contextmanager
+def scratch():
+    """Every temporary file of this process and of its children (TMPDIR) in one folder,
+    removed at the end: a rehearsal in CI, or an ingest, leaves nothing behind"""
+    folder = tempfile.mkdtemp(prefix="gpu-run-")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = folder
+    try:
+        yield Path(folder)
+    finally:
+        os.environ.pop("TMPDIR", None)
+        if saved[0] is not None:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="the folder that comes back")
@@ -831,7 +849,8 @@ def main(argv=None) -> int:
         args.result.write_text(json.dumps(metrics) + "\n")
         return 0
     if args.ingest:
-        return ingest(args.ingest)
+        with scratch():
+            return ingest(args.ingest)
     if args.fetch_wheels:
         return fetch_wheels()
     if args.pack_real_data:
@@ -848,7 +867,8 @@ def main(argv=None) -> int:
         )
     if args.rehearse:
         os.environ["PALIGEMMA_REHEARSE_GPU"] = "t4"
-    return run_parts(args.out, parts, args.rehearse, STARTED)
+    with scratch():
+        return run_parts(args.out, parts, args.rehearse, STARTED)
 
 
 if __name__ == "__main__":
