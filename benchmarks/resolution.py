@@ -5,12 +5,15 @@ this measures the time, side by side in one run, as ratios to 224:
 
     python benchmarks/resolution.py                 # nano, on the CPU
     python benchmarks/resolution.py --device cuda   # PaliGemma-3B's shapes, bf16
+    python benchmarks/resolution.py --random-nano --repeats 1  # the GPU's way, tiny
 
-On the CPU the model is the shipped nano, made to see 448 and 896 by `at_resolution`
-(its positions resampled); on a GPU, PaliGemma-3B's shapes with random weights in
-bfloat16. For each resolution it times, alternating the resolutions after a warm-up,
-the prefill (the image through the vision tower and the whole prefix through the
-decoder, filling the cache: `generate` with one new token) and a decoding step (the
+Each size is one model made to see it by `at_resolution` (its positions resampled,
+its other weights shared): on the CPU the shipped nano; on a GPU, PaliGemma-3B's shapes
+with random weights in bfloat16. `--random-nano` builds them as on a GPU (random
+weights on the device, bfloat16) at nano's shapes: the GPU script's CPU rehearsal runs
+that branch so. For each resolution it times, alternating the resolutions after a
+warm-up, the prefill (the image through the vision tower and the whole prefix through
+the decoder, filling the cache: `generate` with one new token) and a decoding step (the
 median time of 17 new tokens less the median of one, over 16; the answer is forced to
 run its length by `eos_token_id=None`), and reports the medians, their ratios to 224
 and the FLOP ratio the chapter counts for the same prefill. Results go to
@@ -24,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -46,21 +48,19 @@ INPUTS = ("input_ids", "pixel_values", "attention_mask", "token_type_ids")
 STEPS = 16  # decoding steps timed, beyond the first new token
 
 
-def models(device: str) -> dict:
+def models(device: str, random_nano: bool = False) -> dict:
     "image size -> (model, inputs of one picture and the prompt 'caption en')"
     processor = PaliGemmaProcessor.from_pretrained("nano")
-    if device == "cpu":
+    if device == "cpu" and not random_nano:
         base = load_pretrained("nano")
-        made = {s: at_resolution(base, s).eval() for s in SIZES}
-    else:
+    else:  # random weights, built on the device, in bfloat16
         torch.manual_seed(0)
-        made = {}
-        for s in SIZES:
-            config = PaliGemmaConfig()
-            config.vision = replace(config.vision, image_size=s)
-            with torch.device(device):
-                made[s] = PaliGemmaForConditionalGeneration(config)
-            made[s] = made[s].to(torch.bfloat16).eval()
+        with torch.device(device):
+            config = nano_config() if random_nano else PaliGemmaConfig()
+            base = PaliGemmaForConditionalGeneration(config)
+        base = base.to(torch.bfloat16)
+    # one model's weights, shared; each size its own resampled positions
+    made = {s: at_resolution(base, s).eval() for s in SIZES}
     out = {}
     for size, model in made.items():
         patch = model.config.vision.patch_size
@@ -74,6 +74,12 @@ def models(device: str) -> dict:
         inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
         out[size] = (model, inputs)
     return out
+
+
+def nano_config() -> PaliGemmaConfig:
+    "nano's shapes, read from its config.json (its weights are not needed)"
+    path = ROOT / "paligemma_lib" / "assets" / "nano" / "config.json"
+    return PaliGemmaConfig.from_hf(json.loads(path.read_text()))
 
 
 def timed(model, inputs, new: int, device: str) -> float:
@@ -98,9 +104,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--random-nano", action="store_true", help="random bf16 at nano's shapes"
+    )
     parser.add_argument("--out", type=Path, help="the record (default: results/)")
     args = parser.parse_args(argv)
-    built = models(args.device)
+    built = models(args.device, args.random_nano)
     for model, inputs in built.values():  # warm-up: allocations, first kernels
         timed(model, inputs, 2, args.device)
     prefill = {s: [] for s in SIZES}
@@ -139,7 +148,8 @@ def main(argv=None) -> int:
         "command": "python benchmarks/resolution.py " + " ".join(argv or sys.argv[1:]),
         "commit": commit, "device": device, "torch": torch.__version__,
         "date": datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "model": "nano, at_resolution" if args.device == "cpu"
+        "model": "nano's shapes, random, bfloat16" if args.random_nano
+        else "nano, at_resolution" if args.device == "cpu"
         else "PaliGemma-3B's shapes, random, bfloat16",
         "repeats": args.repeats, "decode steps timed": STEPS,
         "rows": {str(s): r for s, r in rows.items()},

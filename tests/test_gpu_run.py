@@ -476,3 +476,28 @@ def test_a_run_leaves_no_temporary_files(tmp_path, monkeypatch):
     assert not made[0].parent.exists()
     assert tempfile.gettempdir() == before
     assert (tmp_path / "out" / "run.json").exists()  # what comes back is not scratch
+
+
+def test_ingest_puts_the_resolution_part_where_the_speed_page_reads_it(
+    tmp_path, monkeypatch
+):
+    "Issue 52: the part's record becomes benchmarks/results/resolution-cuda-<start>"
+    import speed_page
+
+    run = tmp_path / "run"
+    run.mkdir()
+    record = {"environment": {"device": "NVIDIA H100 80GB HBM3", "commit": "abc"},
+              "started": "2026-12-01T09:00:00", "finished": "2026-12-01T09:08:00",
+              "parts": {"resolution": {"started": "2026-11-30T10:05:00"}}}  # fmt: skip
+    (run / "run.json").write_text(json.dumps(record))
+    (run / "resolution.json").write_text('{"rows": {}}')
+    root = tmp_path / "root"
+    (root / "benchmarks" / "results").mkdir(parents=True)
+    monkeypatch.setattr(gpu_run, "ROOT", root)
+    pages = []
+    monkeypatch.setattr(gpu_run.subprocess, "run", lambda *a, **k: pages.append(a))
+    assert gpu_run.ingest(run) == 0
+    copied = root / "benchmarks" / "results" / "resolution-cuda-20261130-1005.json"
+    assert copied.read_text() == '{"rows": {}}'  # from the call that ran the part
+    assert speed_page.gpu_resolutions(copied.parent) == [copied]
+    assert pages  # the speed page is made again

@@ -327,7 +327,7 @@ def test_nbdev_clean_keeps_the_folds_captions(tmp_path):
 ASSETS = "paligemma_lib/assets/"
 CALL_PLANS = {
     "a plain call": (12e6, [f"{ASSETS}nano-real/model.safetensors"]),  # wheels
-    "--only segment,profile": (0, []),
+    "--only segment,profile,resolution": (0, []),
     "--only real, GPU_REAL_FROM=nano": (27e6, [f"{ASSETS}nano-real/model.safetensors",
                            f"{ASSETS}mask_vae/mask_vae.npz",
                            f"{ASSETS}segment/adapter_model.safetensors"]),

@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import speed_page  # noqa: E402
@@ -132,3 +134,30 @@ def test_the_decode_profile_section_reads_the_newest_record(tmp_path):
     chart = tmp_path / "profile.png"
     speed_page.draw_decode_profile(record, chart)
     assert chart.stat().st_size > 1000
+
+
+def test_the_resolution_section_shows_the_newest_gpu_record(tmp_path):
+    "Issue 52: the GPU rows come from the GPU script's part `resolution`"
+    assert "on a GPU" not in speed_page.cpu_resolution(tmp_path)  # no record yet
+    for stamp, prefill in (("20261201-0900", 99.0), ("20261202-0900", 12.5)):
+        rows = {
+            str(size): {"image tokens": tokens, "prefill ms": prefill * k,
+                        "decode ms a step": 14.0 + k, "prefill FLOPs": k,
+                        "prefill x 224": k, "FLOPs x 224": k, "step x 224": 1.0}
+            for size, tokens, k in ((224, 256, 1), (448, 1024, 4), (896, 4096, 16))
+        }  # fmt: skip
+        command = "python benchmarks/resolution.py --device cuda"
+        record = {"device": "NVIDIA H100", "torch": "2.11", "rows": rows,
+                  "command": command}  # fmt: skip
+        (tmp_path / f"resolution-cuda-{stamp}.json").write_text(json.dumps(record))
+    text = speed_page.cpu_resolution(tmp_path)
+    assert "## Resolution on a GPU" in text
+    assert "| 896 | 4,096 | 200.0 | 16.00 | 16.00 | 30.00 | 1.00 |" in text  # newest
+    assert "1584.0" not in text and "1,584.0" not in text  # not the older
+    assert "*Date:* 2026-12-02 09:00" in text
+    rows["448"]["image tokens"] = 1000  # not 3B's 32 x 32 patches: the prose is wrong
+    (tmp_path / "resolution-cuda-20261203-0900.json").write_text(
+        json.dumps(record | {"rows": rows})
+    )
+    with pytest.raises(AssertionError):
+        speed_page.cpu_resolution(tmp_path)

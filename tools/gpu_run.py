@@ -38,13 +38,15 @@ to DIR as soon as it has results, so that a run cut short returns what it did:
 GPU_TRAIN_COMPILE=1 makes the segment and real parts train with `train --compile`
 (chapter 11.2); they train eagerly otherwise, as the shipped models did.
 
-Four parts run only when asked for (--only): `real`, nano-real's training, going on
+Five parts run only when asked for (--only): `real`, nano-real's training, going on
 from the shipped nano-real (a call of its own, tools/gpu_real.py); `stage2`, nano's
 stage 2 at 448 beside a control at 224 (a call of its own, tools/gpu_stage2.py);
 `profile`, where a training step of both recipes goes (tools/gpu_profile.py); and
 `decode`, where a compiled decoding step of PaliGemma-3B's shapes goes, kernel class by
 kernel class against the bandwidth, with the candidate fixes side by side
-(tools/gpu_decode.py; its table goes into run.json, no file of its own). A whole
+(tools/gpu_decode.py; its table goes into run.json, no file of its own); and
+`resolution`, the prefill and a decoding step at 224, 448 and 896 px at
+PaliGemma-3B's shapes (benchmarks/resolution.py --device cuda, chapter 11.4). A whole
 call, the wheels' install included, ends within CALL, its clock started before torch's
 import. What a call carries and untracks to fit 64 MiB: tests/test_packaging.py's
 CALL_PLANS (A.4).
@@ -85,27 +87,30 @@ import gpu_profile  # noqa: E402
 import gpu_real  # noqa: E402
 import gpu_stage2  # noqa: E402
 
-PARTS = ("branches", "t4", "segment", "speed", "real", "profile", "decode", "stage2")
+PARTS = ("branches", "t4", "segment", "speed", "real", "profile", "decode", "stage2",
+         "resolution")  # fmt: skip
 # what a plain run does; `real` (nano-real's training, issue 41) and `stage2` (nano's
 # stage 2, issue 52) take a call alone, `profile` (where a training step goes, issue
-# 49) and `decode` (where a decoding step goes, issue 50) a call or the rest of one
+# 49), `decode` (where a decoding step goes, issue 50) and `resolution` (224, 448 and
+# 896 px timed, issue 52) a call or the rest of one
 DEFAULT_PARTS = ("branches", "t4", "segment", "speed")
 BUDGETS = {"branches": 180, "t4": 90, "segment": 180, "speed": 60,  # 510 s
-           "real": 500, "profile": 240, "decode": 300, "stage2": 500}  # fmt: skip
+           "real": 500, "profile": 240, "decode": 300, "stage2": 500,
+           "resolution": 90}  # fmt: skip
 INSTALL = 30  # the wheels' install (about 10 s), inside the call's 9 minutes
 CALL = 9 * 60  # a whole call: the install and every part end within it
 SLACK = 15  # the parts end this much before CALL: a child's kill, the last record
 # the CPU rehearsal: the same steps, tiny
 REHEARSAL_BUDGETS = {"branches": 240, "t4": 150, "segment": 200, "speed": 40,
                      "real": 150, "profile": 300, "decode": 120,
-                     "stage2": 240}  # fmt: skip
+                     "stage2": 240, "resolution": 60}  # fmt: skip
 REHEARSAL_CALL = 30 * 60
 RETURNED = 8  # the most files a call brings back
 COMMON_FILES = ("run.json", "log.txt")  # every call's
 PART_FILES = {  # what each part may write into DIR
     "branches": ("book.json",), "t4": (), "segment": ("segment-adapter.tar",),
     "speed": ("speed.json",), "real": ("real-model.tar.0", "real-model.tar.1"),
-    "profile": ("profile.json",), "decode": (),
+    "profile": ("profile.json",), "decode": (), "resolution": ("resolution.json",),
     "stage2": tuple(f"{gpu_stage2.TAR}.{i}" for i in range(gpu_stage2.PIECES)),
 }  # fmt: skip
 FILES = COMMON_FILES + tuple(name for files in PART_FILES.values() for name in files)
@@ -613,9 +618,30 @@ def decode(run: Run, budget: float) -> dict:
     return status | {"rows": gpu_decode.summary(table), "table": table}
 
 
+# --- part 9: resolution ---
+
+
+def resolution(run: Run, budget: float) -> dict:
+    """benchmarks/resolution.py (chapter 11.4, issue 52): the prefill and a decoding
+    step at 224, 448 and 896 px, PaliGemma-3B's shapes in bf16 on the GPU (the
+    speed page's GPU rows)"""
+    # rehearsed: the models built as on the GPU (random, bf16), at nano's shapes
+    tiny = ["--device", "cpu", "--random-nano", "--repeats", "1"]
+    device = tiny if run.rehearse else ["--device", "cuda"]
+    found = run.out / "resolution.json"
+    status = run.command(
+        [sys.executable, "benchmarks/resolution.py", *device, "--out", found],
+        timeout=budget,
+    )
+    rows = json.loads(found.read_text())["rows"] if found.exists() else {}
+    keep = ("prefill ms", "decode ms a step")
+    return status | {f"{size} px": {k: r[k] for k in keep} for size, r in rows.items()}
+
+
 PART_FUNCTIONS = {"branches": branches, "t4": t4, "segment": segment, "speed": speed,
                   "real": gpu_real.real, "profile": gpu_profile.profile,
-                  "decode": decode, "stage2": gpu_stage2.stage2}  # fmt: skip
+                  "decode": decode, "stage2": gpu_stage2.stage2,
+                  "resolution": resolution}  # fmt: skip
 
 
 ALONE = ("real", "stage2")  # parts that take a call of their own
@@ -685,7 +711,8 @@ def check_output(out: Path, parts: list[str], rehearse: bool = False) -> list[st
     expected = {"branches": "book.json", "speed": "speed.json",
                 "segment": "segment-adapter.tar",
                 "real": "real-model.tar.0", "profile": "profile.json",
-                "stage2": f"{gpu_stage2.TAR}.0"}  # fmt: skip
+                "stage2": f"{gpu_stage2.TAR}.0",
+                "resolution": "resolution.json"}  # fmt: skip
     for part in parts:
         if part not in record.get("parts", {}):
             problems.append(f"run.json has no part {part!r}")
@@ -722,6 +749,7 @@ def ingest(folder: Path) -> int:
         "book.json": f"book-cuda-{stamp}.json",
         "speed.json": f"gpu-speed-{device.strip('-')}-{part_stamp('speed')}.json",
         "profile.json": f"gpu-profile-{device.strip('-')}-{part_stamp('profile')}.json",
+        "resolution.json": f"resolution-cuda-{part_stamp('resolution')}.json",
     }
     for name, target in copies.items():
         if (folder / name).exists():

@@ -507,14 +507,28 @@ def data_pipeline() -> str:
     )
 
 
-def cpu_resolution() -> str:
-    run = record(RESOLUTION_CPU)
-    rows = [
+RESOLUTION_HEADER = ["pixels", "image tokens", "prefill ms", "x 224", "FLOPs x 224",
+                     "step ms", "x 224"]  # fmt: skip
+
+
+def resolution_rows(run: dict) -> list[list[str]]:
+    "benchmarks/resolution.py's rows, one a size"
+    return [
         [size, f"{r['image tokens']:,}", f"{r['prefill ms']:,.1f}",
          f"{r['prefill x 224']:.2f}", f"{r['FLOPs x 224']:.2f}",
          f"{r['decode ms a step']:.2f}", f"{r['step x 224']:.2f}"]
         for size, r in run["rows"].items()
     ]  # fmt: skip
+
+
+def gpu_resolutions(results: Path = RESULTS) -> list[Path]:
+    "tools/gpu_run.py's part `resolution`, ingested: newest last"
+    found = results.glob("resolution-cuda-*.json")
+    return sorted(found, key=lambda p: date_of(p.name))
+
+
+def cpu_resolution(results: Path = RESULTS) -> str:
+    run = record(RESOLUTION_CPU)
     machine = f"2-core CPU, PyTorch {run['torch']}"
     r448, r896 = run["rows"]["448"], run["rows"]["896"]
     # what the prose says, checked against the record it reads
@@ -532,6 +546,7 @@ def cpu_resolution() -> str:
         "times the tokens): "
         "it reads the weights once, and the cache's image tokens only in attention."
     )
+    gpu = gpu_resolution(results)
     return "\n\n".join(
         [
             "## Resolution on a CPU",
@@ -539,20 +554,32 @@ def cpu_resolution() -> str:
             "nano made to see each size by `at_resolution`: the prefill (the picture "
             "and a short prompt, the cache filled) and a decoding step after it, "
             "medians, each against 224, beside the prefill's FLOPs against 224.",
-            table(
-                [
-                    "pixels",
-                    "image tokens",
-                    "prefill ms",
-                    "x 224",
-                    "FLOPs x 224",
-                    "step ms",
-                    "x 224",
-                ],
-                rows,
-            ),  # fmt: skip
+            table(RESOLUTION_HEADER, resolution_rows(run)),
             prose,
             source(RESOLUTION_CPU, machine, run["command"].strip()),
+        ]
+        + ([gpu] if gpu else [])  # the GPU rows, once a call has run the part
+    )
+
+
+def gpu_resolution(results: Path = RESULTS) -> str:
+    """The same at PaliGemma-3B's shapes, from the newest record of the GPU script's
+    part `resolution` (issue 52); '' before the first record"""
+    found = gpu_resolutions(results)
+    if not found:
+        return ""
+    run = json.loads(found[-1].read_text())
+    machine = f"{run['device']}, PyTorch {run['torch']}"
+    tokens = [r["image tokens"] for r in run["rows"].values()]
+    assert tokens == [256, 1024, 4096], tokens  # what the prose says
+    return "\n\n".join(
+        [
+            "## Resolution on a GPU",
+            "The same measure at PaliGemma-3B's shapes (random weights in bfloat16, "
+            "batch 1, eager), from the GPU script's `resolution` part (A.4): 256, "
+            "1,024 and 4,096 image tokens.",
+            table(RESOLUTION_HEADER, resolution_rows(run)),
+            source(found[-1].name, machine, run["command"].strip()),
         ]
     )
 
