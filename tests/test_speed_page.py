@@ -138,7 +138,7 @@ def test_the_decode_profile_section_reads_the_newest_record(tmp_path):
 
 def test_the_resolution_section_shows_the_newest_gpu_record(tmp_path):
     "Issue 52: the GPU rows come from the GPU script's part `resolution`"
-    assert "on a GPU" not in speed_page.cpu_resolution(tmp_path)  # no record yet
+    assert speed_page.gpu_resolution(tmp_path) == ""  # no record: no section
     for stamp, prefill in (("20261201-0900", 99.0), ("20261202-0900", 12.5)):
         rows = {
             str(size): {"image tokens": tokens, "prefill ms": prefill * k,
@@ -150,7 +150,7 @@ def test_the_resolution_section_shows_the_newest_gpu_record(tmp_path):
         record = {"device": "NVIDIA H100", "torch": "2.11", "rows": rows,
                   "command": command}  # fmt: skip
         (tmp_path / f"resolution-cuda-{stamp}.json").write_text(json.dumps(record))
-    text = speed_page.cpu_resolution(tmp_path)
+    text = speed_page.gpu_resolution(tmp_path)
     assert "## Resolution on a GPU" in text
     assert "| 896 | 4,096 | 200.0 | 16.00 | 16.00 | 30.00 | 1.00 |" in text  # newest
     assert "1584.0" not in text and "1,584.0" not in text  # not the older
@@ -160,4 +160,4 @@ def test_the_resolution_section_shows_the_newest_gpu_record(tmp_path):
         json.dumps(record | {"rows": rows})
     )
     with pytest.raises(AssertionError):
-        speed_page.cpu_resolution(tmp_path)
+        speed_page.gpu_resolution(tmp_path)
