@@ -350,3 +350,54 @@ def test_a_recipe_needs_its_steps_on_the_gpu(monkeypatch, tmp_path):
     result = gpu_real.real(Run(), budget=100)
     assert result["recipe"] == "pen" and "GPU_REAL_STEPS" in result["error"]
     assert list(tmp_path.iterdir()) == []  # nothing done
+
+
+# --- tools/compare_real_recipes.py: the recipes screened on the CPU, on validation ---
+
+import compare_real_recipes as screen  # noqa: E402
+import gpu_ingest  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(gpu_real.RECIPES))
+def test_the_screen_trains_each_recipe_changing_only_its_scale(name, tmp_path):
+    args, worlds = parsed(screen.train_flags(name, 7, tmp_path / name))
+    gpu, gpu_worlds = parsed(gpu_real.RECIPES[name])
+    assert worlds == gpu_worlds  # the mix the GPU would train
+    assert (args.model, args.batch_size, args.lr, args.steps) == (
+        gpu_real.REAL_FROM, screen.BATCH, screen.LR, 7)  # fmt: skip
+    assert args.train_size == gpu.train_size and args.out == str(tmp_path / name)
+
+
+def test_the_screen_reads_validation_past_the_ship_window(tmp_path, monkeypatch):
+    hour = json.loads(
+        (ROOT / "paligemma_lib/assets/real/real-cpu-hour-2026-11-26.json").read_text()
+    )["rows"]
+    asked, trained = [], []
+
+    def evaluate(n, split, old=0, model="nano", start=0):
+        asked.append((split, start, n, old))
+        rows = [dict(r) for r in hour]
+        if Path(str(model)).name == "pen":  # reads every number right
+            for r in rows:
+                if r["world"] == "handwriting":
+                    r["prediction"] = r["answer"]
+        return {"rows": rows, "model_sha256": str(model), "seconds": 0}
+
+    monkeypatch.setattr(screen, "probe_counts", lambda source: {"font": 0})
+    out = tmp_path / "record.json"
+    argv = ["--steps", "3", "--recipes", "base,pen", "--out", str(out)]
+    assert screen.main(argv, train=trained.append, evaluate=evaluate) == 0
+    assert [parsed(f)[0].steps for f in trained] == [3, 3]
+    assert {a[:2] for a in asked} == {("validation", screen.START)}
+    assert screen.START >= max(gpu_ingest.REAL_N, gpu_ingest.REAL_OLD)
+    record = json.loads(out.read_text())
+    assert set(record["against shipped"]) == {"base", "pen"}
+    assert set(record["against base"]) == {"pen"}
+    read = record["against base"]["pen"]["numbers read"]
+    assert read["difference"] > 2 * read["standard error"] > 0
+    assert record["against shipped"]["pen"]["ships"] is True  # a goal, raised
+    assert record["against shipped"]["base"]["ships"] is False  # the same answers
+    with pytest.raises(SystemExit):  # a record is never overwritten
+        screen.main(argv, train=trained.append, evaluate=evaluate)
+    with pytest.raises(SystemExit):
+        screen.main(["--recipes", "nope", "--out", str(tmp_path / "x.json")])
