@@ -388,6 +388,7 @@ def test_the_screen_reads_validation_past_the_ship_window(tmp_path, monkeypatch)
     argv = ["--steps", "3", "--recipes", "base,pen", "--out", str(out)]
     assert screen.main(argv, train=trained.append, evaluate=evaluate) == 0
     assert [parsed(f)[0].steps for f in trained] == [3, 3]
+    assert {parsed(f)[0].lr for f in trained} == {screen.LR}
     assert {a[:2] for a in asked} == {("validation", screen.START)}
     assert screen.START >= max(gpu_ingest.REAL_N, gpu_ingest.REAL_OLD)
     record = json.loads(out.read_text())
@@ -397,6 +398,11 @@ def test_the_screen_reads_validation_past_the_ship_window(tmp_path, monkeypatch)
     assert read["difference"] > 2 * read["standard error"] > 0
     assert record["against shipped"]["pen"]["ships"] is True  # a goal, raised
     assert record["against shipped"]["base"]["ships"] is False  # the same answers
+    assert record["lr"] == screen.LR
+    lower = tmp_path / "lower.json"
+    argv_lr = ["--steps", "3", "--recipes", "base", "--lr", "3e-5", "--out", str(lower)]
+    screen.main(argv_lr, train=trained.append, evaluate=evaluate)
+    assert parsed(trained[-1])[0].lr == 3e-5 == json.loads(lower.read_text())["lr"]
     with pytest.raises(SystemExit):  # a record is never overwritten
         screen.main(argv, train=trained.append, evaluate=evaluate)
     with pytest.raises(SystemExit):

@@ -84,6 +84,7 @@ def main(argv=None, train=None, evaluate=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--lr", type=float, default=LR, help="the peak learning rate")
     parser.add_argument("--n", type=int, default=N, help="clothing, handwriting")
     parser.add_argument("--old", type=int, default=OLD, help="shapes, ocr")
     parser.add_argument("--out", type=Path)
@@ -115,7 +116,7 @@ def main(argv=None, train=None, evaluate=None) -> int:
     trained = {}
     for name in recipes:
         begin = time.perf_counter()
-        train(train_flags(name, args.steps, work / name))
+        train(train_flags(name, args.steps, work / name, args.lr))
         trained[name] = round(time.perf_counter() - begin, 1)
         sources[name] = work / name
         print(f"{name}: {args.steps} steps in {trained[name]} s", flush=True)
@@ -129,13 +130,14 @@ def main(argv=None, train=None, evaluate=None) -> int:
         print(f"{name}: graded in {record['seconds']} s", flush=True)
     record = {
         "command": "python tools/compare_real_recipes.py "
-        f"--steps {args.steps} --recipes {args.recipes}",
+        f"--steps {args.steps} --recipes {args.recipes} --lr {args.lr}",
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
                                  capture_output=True, text=True).stdout.strip(),
         "date": f"{date.today():%Y-%m-%d}",
         "device": "cpu", "from": REAL_FROM, "steps": args.steps, "batch_size": BATCH,
-        "lr": LR, "mixes": {name: RECIPES[name][RECIPES[name].index("--worlds") + 1]
-                            for name in recipes},
+        "lr": args.lr,
+        "mixes": {name: RECIPES[name][RECIPES[name].index("--worlds") + 1]
+                  for name in recipes},
         "split": "validation", "start": START,
         "examples": {"clothing": args.n, "handwriting": args.n, "shapes": args.old,
                      "ocr": args.old},
