@@ -407,3 +407,21 @@ def test_the_screen_reads_validation_past_the_ship_window(tmp_path, monkeypatch)
         screen.main(argv, train=trained.append, evaluate=evaluate)
     with pytest.raises(SystemExit):
         screen.main(["--recipes", "nope", "--out", str(tmp_path / "x.json")])
+
+
+def test_the_screen_writes_nothing_into_the_package(tmp_path, monkeypatch):
+    "Its record goes to benchmarks/results/; the chapter reads only what was moved"
+    rows = [{"world": "ocr", "prompt": "ocr", "seed": i, "answer": "1",
+             "prediction": "1"} for i in range(40)]  # fmt: skip
+    monkeypatch.setattr(screen, "ROOT", tmp_path)
+    monkeypatch.setattr(screen, "compare", lambda graded: {})
+    monkeypatch.setattr(screen, "probe_counts", lambda source: {})
+
+    def evaluate(n, split, old=0, model="nano", start=0):
+        return {"rows": rows, "model_sha256": "x", "seconds": 0}
+
+    screen.main(["--steps", "1", "--recipes", "base"], train=lambda f: None,
+                evaluate=evaluate)  # fmt: skip
+    (written,) = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written.parent == tmp_path / "benchmarks" / "results"
+    assert written.name.startswith("real-recipes-cpu-")

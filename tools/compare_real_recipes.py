@@ -13,7 +13,9 @@ ship rule's (tools/ship_rules.py): paired, on the same examples, with jackknife
 standard errors; each recipe against the shipped model and against `base`.
 
 The record (measures, paired differences, the probe's readings; no rows) goes to
-paligemma_lib/assets/real/real-recipes-cpu-DATE.json, which chapter 12.2 reads.
+benchmarks/results/real-recipes-cpu-DATE.json, never into the package: the records
+chapter 12.2 reads were moved into paligemma_lib/assets/real/ by hand, in a commit, so
+that a run of this tool cannot change what the chapter finds.
 """
 
 import argparse
@@ -95,7 +97,7 @@ def main(argv=None, train=None, evaluate=None) -> int:
         parser.error(
             f"no recipe {', '.join(unknown)}; the recipes: {', '.join(RECIPES)}"
         )
-    out = args.out or ROOT / "paligemma_lib/assets/real" / (
+    out = args.out or ROOT / "benchmarks" / "results" / (
         f"real-recipes-cpu-{date.today():%Y-%m-%d}.json"
     )
     if out.exists():  # a record is never overwritten
@@ -143,6 +145,7 @@ def main(argv=None, train=None, evaluate=None) -> int:
                      "ocr": args.old},
         "models": models,
     } | compare(graded)  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     shutil.rmtree(work)
     print(f"wrote {out}")
