@@ -466,8 +466,10 @@ def _silhouette(rng: random.Random, kind: str) -> np.ndarray:
 # %% ../book/12b_segmentation.ipynb #87fc3a24
 def _mask_box(mask: np.ndarray) -> tuple[int, int, int, int]:
     "A [H, W] bool mask -> its box (x0, y0, x1, y1), pixel edges"
-    ys, xs = np.nonzero(mask)
-    return int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1
+    rows, cols = mask.any(1), mask.any(0)  # the rows, the columns it reaches
+    y0, y1 = rows.argmax(), len(rows) - rows[::-1].argmax()
+    x0, x1 = cols.argmax(), len(cols) - cols[::-1].argmax()
+    return int(x0), int(y0), int(x1), int(y1)
 
 # %% ../book/12b_segmentation.ipynb #w003
 @dataclass
@@ -491,6 +493,16 @@ def segment_scene(seed: int) -> SegmentScene:
     return _draw_scene(random.Random(SCENE_OFFSET + seed), seed)
 
 # %% ../book/12b_segmentation.ipynb #5a3b339b
+def _paint(background: int, colours: list, full: list) -> Image.Image:
+    "The masks painted in order: a pixel takes the last shape's colour there"
+    index = np.zeros(full[0].shape, np.uint8)  # 0: the background
+    for k, mask in enumerate(full, 1):  # a later shape covers an earlier one
+        index[mask] = k
+    image = Image.fromarray(index)  # then each number its palette's colour
+    image.putpalette([background] * 3 + [v for c in colours for v in c])
+    return image.convert("RGB")
+
+
 def _draw_scene(rng: random.Random, seed: int) -> SegmentScene:
     "The scene `segment_scene(seed)` describes, drawn with `rng`"
     for _ in range(MAX_TRIES):
@@ -505,10 +517,7 @@ def _draw_scene(rng: random.Random, seed: int) -> SegmentScene:
             covered |= mask
         if any(v.sum() < MIN_VISIBLE * f.sum() for v, f in zip(visible, full)):
             continue
-        image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (background,) * 3)
-        for colour, mask in zip(colours, full):
-            stencil = Image.fromarray(mask.astype(np.uint8) * 255)
-            image.paste(COLOURS[colour], mask=stencil)
+        image = _paint(background, [COLOURS[c] for c in colours], full)
         boxes = [_mask_box(v) for v in visible]
         # left to right by the box centre's x (twice it: integers), then y
         order = sorted(
@@ -536,23 +545,33 @@ def mask_to_64(mask: torch.Tensor, box) -> torch.Tensor:
     )[0, 0]
 
 # %% ../book/12b_segmentation.ipynb #86d6a8b2
-def segment_answer(scene: SegmentScene, kind: str, vae=None) -> str:
-    """The answer to `segment <kind>`: each instance left to right, ' ; '
-    apart; `vae` None: load_mask_vae()"""
+def _crops(scene: SegmentScene, kind: str) -> tuple[list, torch.Tensor]:
+    "The `kind` objects' indices, and their masks cut to 64 x 64 [n, 64, 64]"
     chosen = [i for i, label in enumerate(scene.labels) if label == kind]
     if not chosen:
         raise ValueError(
             f"scene {scene.seed} has no {kind}; it holds "
             f"{', '.join(sorted(set(scene.labels)))}"
         )
-    crops = torch.stack(
+    return chosen, torch.stack(
         [mask_to_64(scene.masks[i], scene.boxes[i]) for i in chosen]
     )
+
+
+def segment_answer(scene: SegmentScene, kind: str, vae=None) -> str:
+    """The answer to `segment <kind>`: each instance left to right, ' ; '
+    apart; `vae` None: load_mask_vae()"""
+    chosen, crops = _crops(scene, kind)
     vae = load_mask_vae() if vae is None else vae
     with torch.no_grad():
         codes = vae.encode(crops).tolist()  # [n, 16]
+    return _answer_text(scene, kind, chosen, codes)
+
+
+def _answer_text(scene, kind: str, chosen: list, codes: list) -> str:
+    "The objects `chosen`, each its box's <loc> and its codes' <seg> tokens"
     objects = []
-    for i, row in zip(chosen, codes):
+    for i, row in zip(chosen, codes, strict=True):
         loc = boxes_to_loc_string(
             [scene.boxes[i]], IMAGE_SIZE, IMAGE_SIZE, [""]
         )
@@ -571,10 +590,15 @@ def _answer_vae() -> MaskVAE:
     return _ANSWER_VAES[str(path)]
 
 # %% ../book/12b_segmentation.ipynb #1ea16e04
+def _segments_scene(rng: random.Random, seed: int) -> tuple:
+    "Scene `seed` of the segments world, and the kind its example asks"
+    scene = _draw_scene(rng, seed)
+    return scene, rng.choice(sorted(set(scene.labels)))
+
+
 def _segments_example(rng: random.Random, seed: int, task) -> Example:
     "Example `seed` of the segments world: one kind of its scene, segmented"
-    scene = _draw_scene(rng, seed)
-    kind = rng.choice(sorted(set(scene.labels)))
+    scene, kind = _segments_scene(rng, seed)
     chosen = [i for i, label in enumerate(scene.labels) if label == kind]
     return Example(
         "segments",

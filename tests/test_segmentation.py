@@ -722,3 +722,37 @@ def test_grade_reads_the_vae_once(vae_file, monkeypatch):
         ex = data.example(i)
         assert grade(ex, ex.answer, None, flat)["invalid"] == 0
     assert calls == [str(vae_file[0])]
+
+
+def test_the_scene_is_painted_as_pasting_each_mask_paints_it():
+    "_paint (an index image and a palette) against Pillow's paste through masks"
+    from PIL import Image
+
+    from paligemma_lib.data import COLOURS
+    from paligemma_lib.segmentation import _paint, _silhouette
+
+    rng = __import__("random").Random(3)
+    for n in (1, 2, 3, 3, 3):
+        kinds = [rng.choice(("circle", "square", "triangle")) for _ in range(n)]
+        full = [_silhouette(rng, kind) for kind in kinds]  # overlapping, often
+        colours = [COLOURS[c] for c in rng.sample(list(COLOURS), n)]
+        background = rng.randint(210, 250)
+        pasted = Image.new("RGB", full[0].shape[::-1], (background,) * 3)
+        for colour, mask in zip(colours, full):
+            pasted.paste(colour, mask=Image.fromarray(mask.astype(np.uint8) * 255))
+        painted = _paint(background, colours, full)
+        assert painted.mode == "RGB"
+        assert np.array_equal(np.asarray(painted), np.asarray(pasted))
+
+
+def test_a_mask_box_is_its_pixels_extent():
+    "_mask_box against np.nonzero's extremes, on random masks and edge cases"
+    from paligemma_lib.segmentation import _mask_box
+
+    gen = np.random.default_rng(0)
+    masks = [gen.random((224, 224)) > 0.999 for _ in range(20)]
+    masks += [np.eye(5, dtype=bool), np.pad(np.ones((1, 1), bool), ((3, 0), (0, 4)))]
+    for mask in masks:
+        ys, xs = np.nonzero(mask)
+        expected = (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1)
+        assert _mask_box(mask) == tuple(int(v) for v in expected)
