@@ -4,7 +4,8 @@
 # (and the later chapters named in the cell markers).
 
 # %% auto #0
-__all__ = ['epoch_order', 'global_batch', 'shard', 'StepBatches', 'step_batches']
+__all__ = ['TRAINING_BATCHES', 'epoch_order', 'global_batch', 'shard', 'StepBatches',
+           'step_batches', 'training_data']
 
 # %% ../book/11b_training.ipynb #38bcba38
 import functools
@@ -93,3 +94,18 @@ def step_batches(batches: StepBatches, start: int, workers: int = 0):
             prefetch_factor=4,
         )
     )
+
+# %% ../book/11b_training.ipynb #tb02
+# a world that builds its training batches its own way (chapter 12.1):
+# world -> make(dataset, collate) -> (dataset, collate)
+TRAINING_BATCHES = {}
+
+
+def training_data(dataset, collate) -> tuple:
+    """(dataset, collate) as training reads them: each world of `dataset`
+    (a SyntheticDataset's `worlds`) with an entry in TRAINING_BATCHES makes
+    its own; any other dataset as it is"""
+    for world, make in TRAINING_BATCHES.items():
+        if world in getattr(dataset, "worlds", ()):
+            dataset, collate = make(dataset, collate)
+    return dataset, collate

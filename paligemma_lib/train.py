@@ -529,6 +529,8 @@ def train(
     upcoming = step_batches(batches, start, workers)
     for step in range(start, config.steps):
         micro_batches = next(upcoming)
+        if hasattr(collate, "finish"):  # work left to the device
+            micro_batches = collate.finish(micro_batches, device)
         lr = optimizer.param_groups[0]["lr"]
         loss, norm = training_step(
             stepped,

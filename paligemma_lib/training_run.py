@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from .adapters import load_adapter, save_adapter
+from .batching import training_data
 from .config import PaliGemmaConfig, TextConfig, VisionConfig
 from .data import Collator
 from .evaluation import make_evaluator
@@ -216,10 +217,11 @@ def run_training(run: TrainingRun, on_start=None) -> dict:
     if rank == 0 and on_start is not None:
         on_start()
     begin = time.time()
+    train_set, train_collate = training_data(run.train_set, collate)
     history = train(
         model,
-        run.train_set,
-        collate,
+        train_set,
+        train_collate,
         run.config,
         out_dir=run.out,
         resume=run.resume,

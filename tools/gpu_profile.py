@@ -9,10 +9,11 @@ For each recipe, three rates in examples a second, over the same batches as `tra
 builds them (the train command's own parser reads the recipe's flags):
 
 - data: the DataLoader's workers building batches (the scenes drawn, their answers'
-  tokens, the pictures' bytes), with no model at all;
+  tokens, the pictures' bytes), with no model at all; the segments world's codes are
+  left to the device (chapter 12.1), as `train` leaves them;
 - step: `training_step` on two batches built once, again and again: their copy to the
-  device, the kernels and the host-side Python that launches them, with no data to
-  wait for;
+  device, the kernels and the host-side Python that launches them (and the segments
+  world's codes written on the device first), with no data to wait for;
 - loop: both together, as `train` runs them.
 
 The slower of data and step bounds the loop. `torch.profiler` over a few steps then
@@ -76,7 +77,7 @@ def pieces(args: argparse.Namespace, device):
     "(model on device, StepBatches, optimiser, scheduler, scaler) as `train` has them"
     from dataclasses import fields
 
-    from paligemma_lib.batching import StepBatches
+    from paligemma_lib.batching import StepBatches, training_data
     from paligemma_lib.cli.lora_options import lora_settings
     from paligemma_lib.cli.options import import_data, parse_worlds
     from paligemma_lib.data import Collator
@@ -98,12 +99,21 @@ def pieces(args: argparse.Namespace, device):
                       device=device)  # fmt: skip
     processor, model = training_model(run)
     model.to(device)
-    batches = StepBatches(train_set, Collator(processor, pixels="uint8"), config)
+    # the worlds that build their own batches (the segments world writes its
+    # codes on the device) build them as `train` has them
+    plain = Collator(processor, pixels="uint8")
+    batches = StepBatches(*training_data(train_set, plain), config)
     optimizer = make_optimizer(model, config.lr, config.weight_decay)
     scheduler = make_scheduler(
         optimizer, config.warmup_steps, config.steps, config.min_lr_ratio
     )
     return model, batches, optimizer, scheduler, grad_scaler(device)
+
+
+def finished(batches, micro_batches: list, device) -> list:
+    "A step's micro-batches as `train` steps on them: finished on the device"
+    finish = getattr(batches.collate, "finish", None)
+    return micro_batches if finish is None else finish(micro_batches, device)
 
 
 def sync(device) -> None:
@@ -138,13 +148,13 @@ def step_rate(parts, device, steps: int, warm: int) -> tuple[float, list, float]
     resident = [batches[i] for i in range(2)]
     began = time.perf_counter()
     for i in range(warm):
-        training_step(model, resident[i % 2], optimizer, scheduler, 1.0, device,
-                      scaler=scaler)  # fmt: skip
+        training_step(model, finished(batches, resident[i % 2], device),
+                      optimizer, scheduler, 1.0, device, scaler=scaler)  # fmt: skip
     sync(device)
     start = time.perf_counter()
     for i in range(steps):
-        training_step(model, resident[i % 2], optimizer, scheduler, 1.0, device,
-                      scaler=scaler)  # fmt: skip
+        training_step(model, finished(batches, resident[i % 2], device),
+                      optimizer, scheduler, 1.0, device, scaler=scaler)  # fmt: skip
     sync(device)
     size = batches.config.batch_size
     rate = steps * size / (time.perf_counter() - start)
@@ -162,8 +172,8 @@ def loop_rate(parts, device, workers: int, steps: int, warm: int) -> float:
         if i == warm:
             sync(device)
             start = time.perf_counter()
-        training_step(model, next(upcoming), optimizer, scheduler, 1.0, device,
-                      scaler=scaler)  # fmt: skip
+        training_step(model, finished(batches, next(upcoming), device),
+                      optimizer, scheduler, 1.0, device, scaler=scaler)  # fmt: skip
     sync(device)
     return steps * batches.config.batch_size / (time.perf_counter() - start)
 
@@ -183,8 +193,9 @@ def kernels(parts, resident, device, steps: int) -> dict:
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         for i in range(steps):
-            training_step(model, resident[i % 2], optimizer, scheduler, 1.0,
-                          device, scaler=scaler)  # fmt: skip
+            training_step(model, finished(parts[1], resident[i % 2], device),
+                          optimizer, scheduler, 1.0, device,
+                          scaler=scaler)  # fmt: skip
         sync(device)
     wall = (time.perf_counter() - start) / steps
     events = prof.key_averages()

@@ -1,0 +1,165 @@
+"""The segments world's training batches with their codes written on the device
+(chapter 12.1, "More examples a second"): the same batches as the world's own answers
+make, the encoder run once a micro-batch in the loop and never in a worker, every other
+batch untouched, and `train` finishing each step's micro-batches."""
+
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import paligemma_lib.segmentation as seg
+from paligemma_lib import PaliGemmaProcessor
+from paligemma_lib.batching import StepBatches, step_batches, training_data
+from paligemma_lib.data import Collator, SyntheticDataset
+from paligemma_lib.processing import PaliGemmaBatch
+from paligemma_lib.train import TrainConfig
+from paligemma_lib.training_run import TrainingRun, run_training
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return PaliGemmaProcessor.from_pretrained("nano")
+
+
+def near_ties(vae, crops, mine, theirs) -> bool:
+    """Whether codes `mine` and `theirs` [n, 16] differ only where both codes lie
+    equally near the encoder's vector, to float32's rounding of the encoder's sums
+    (unit roundoff times the terms summed into an output, over the layers)"""
+    with torch.no_grad():
+        z = vae.encoder(2 * crops[:, None] - 1)
+    z = z.permute(0, 2, 3, 1).reshape(len(crops), 16, -1).double()
+    e = vae._vq_vae._embedding.double()
+    apart = mine != theirs
+    za, ea, eb = z[apart], e[mine[apart]], e[theirs[apart]]
+    gap = ((za - ea) ** 2).sum(-1) - ((za - eb) ** 2).sum(-1)
+    convs = [m for m in vae.encoder.modules() if isinstance(m, nn.Conv2d)]
+    terms = sum(m.weight[0].numel() for m in convs)
+    slack = 2 * terms * 2.0**-24 * za.norm(dim=-1) * (ea - eb).norm(dim=-1)
+    return bool((gap.abs() <= slack).all())
+
+
+def codes_at(batch, collate, places) -> torch.Tensor:
+    "The codes of a batch's <seg> places, 16 a mask: [n, 16]"
+    code_of = {int(t): c for c, t in enumerate(collate.seg_ids())}
+    return torch.tensor([code_of[int(t)] for t in batch.input_ids[places]]).view(-1, 16)
+
+
+def both_ways(processor, worlds, n, start=0):
+    "(the world's own batch, the pending one, its finished batch, the collate)"
+    data = SyntheticDataset(worlds, "train", size=start + n)
+    plain = Collator(processor, pixels="uint8")
+    deferred, collate = training_data(data, plain)
+    indices = range(start, start + n)
+    written = plain([data[i] for i in indices])
+    pending = collate([deferred[i] for i in indices])
+    crops = pending.crops.clone()
+    done = collate.finish([pending], "cpu")[0]
+    return written, crops, done, collate
+
+
+def test_finished_batches_are_the_worlds_own(processor):
+    written, crops, done, collate = both_ways(
+        processor, {"segments": 0.6, "shapes": 0.4}, 48
+    )
+    assert isinstance(done, PaliGemmaBatch)
+    for key in ("attention_mask", "token_type_ids", "pixel_values"):
+        assert torch.equal(done[key], written[key]), key
+    places = torch.isin(written.input_ids, collate.seg_ids())
+    assert torch.equal(places, torch.isin(done.input_ids, collate.seg_ids()))
+    assert torch.equal(done.input_ids[~places], written.input_ids[~places])
+    mine, theirs = codes_at(done, collate, places), codes_at(written, collate, places)
+    assert len(mine) == len(crops) > 48 // 2
+    assert near_ties(seg._answer_vae(), crops, mine, theirs)
+    suffix = done.token_type_ids == 1
+    assert torch.equal(done.labels, done.input_ids.masked_fill(~suffix, -100))
+
+
+def test_near_ties_refuses_a_code_that_is_not_one(processor):
+    "The check above can fail: one code moved to another, far from a tie"
+    written, crops, done, collate = both_ways(processor, "segments", 8)
+    places = torch.isin(written.input_ids, collate.seg_ids())
+    mine = codes_at(done, collate, places)
+    wrong = mine.clone()
+    wrong[0, 0] = (wrong[0, 0] + 64) % 128
+    assert not near_ties(seg._answer_vae(), crops, wrong, mine)
+
+
+def test_the_encoder_runs_once_a_batch_and_never_in_a_worker(processor):
+    data = SyntheticDataset("segments", "train", size=12)
+    deferred, collate = training_data(data, Collator(processor, pixels="uint8"))
+    encode = seg.MaskVAE.encode
+    with mock.patch.object(
+        seg.MaskVAE, "encode", autospec=True, side_effect=encode
+    ) as calls:
+        pending = [collate([deferred[i] for i in range(k, k + 6)]) for k in (0, 6)]
+        assert calls.call_count == 0
+        collate.finish(pending, "cpu")
+    assert [len(c.args[1]) for c in calls.call_args_list] == [
+        len(p.crops) for p in pending
+    ]
+
+
+def test_other_worlds_and_plain_batches_pass_untouched(processor):
+    shapes = SyntheticDataset({"shapes": 0.5, "ocr": 0.5}, "train", size=6)
+    plain = Collator(processor, pixels="uint8")
+    assert training_data(shapes, plain) == (shapes, plain)
+    # a validation set of the segments world, through the segments collate
+    validation = SyntheticDataset("segments", "validation", size=4)
+    _, collate = training_data(SyntheticDataset("segments", "train", size=4), plain)
+    batch = collate([validation[i] for i in range(4)])
+    expected = plain([validation[i] for i in range(4)])
+    assert isinstance(batch, PaliGemmaBatch)
+    assert all(torch.equal(batch[k], expected[k]) for k in expected.keys())
+    assert collate.finish([batch], "cpu") == [batch]
+
+
+def test_a_worker_process_sends_the_same_pending_batches(processor):
+    data = SyntheticDataset("segments", "train", size=16)
+    deferred, collate = training_data(data, Collator(processor, pixels="uint8"))
+    config = TrainConfig(steps=2, batch_size=4, warmup_steps=0)
+    batches = StepBatches(deferred, collate, config)
+    here = [collate.finish(b, "cpu") for b in step_batches(batches, 0, 0)]
+    ahead = [collate.finish(b, "cpu") for b in step_batches(batches, 0, 1)]
+    for mine, theirs in zip(ahead, here, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in a.keys())
+
+
+def test_train_finishes_each_step_before_the_step(tmp_path):
+    "run_training on the segments world: finish once a step, the step sees no pending"
+    from paligemma_lib import train as train_module
+
+    run = TrainingRun(
+        out=tmp_path / "run",
+        config=TrainConfig(steps=3, batch_size=2, warmup_steps=0),
+        train_set=SyntheticDataset("segments", "train", size=100),
+        size="tiny",
+        progress=False,
+    )
+    finish, step = seg.SegmentCollator.finish, train_module.training_step
+    seen = []
+
+    def spy(model, micro_batches, *args, **kwargs):
+        seen.append([type(b) for b in micro_batches])
+        return step(model, micro_batches, *args, **kwargs)
+
+    with (
+        mock.patch.object(
+            seg.SegmentCollator, "finish", autospec=True, side_effect=finish
+        ) as f,
+        mock.patch.object(train_module, "training_step", side_effect=spy),
+    ):
+        run_training(run)
+    assert f.call_count == 3
+    assert seen == [[PaliGemmaBatch]] * 3
+
+
+def test_a_pending_batch_with_too_few_places_is_refused(processor):
+    data = SyntheticDataset("segments", "train", size=2)
+    deferred, collate = training_data(data, Collator(processor, pixels="uint8"))
+    image, prompt, answer = deferred[0]
+    extra = seg.PendingAnswer(answer.text, torch.cat([answer.crops, answer.crops]))
+    with pytest.raises(RuntimeError, match="<seg> places for"):
+        collate([(image, prompt, extra)])
