@@ -161,3 +161,15 @@ def test_the_resolution_section_shows_the_newest_gpu_record(tmp_path):
     )
     with pytest.raises(AssertionError):
         speed_page.gpu_resolution(tmp_path)
+
+
+def test_the_recipe_data_section_reads_the_newest_quiet_record():
+    "benchmarks/data_rate.py's newest record, taken with at most one other busy core"
+    found = speed_page.data_rates()
+    assert found, "no benchmarks/results/data-rate-cpu-*.json"
+    run = speed_page.record(found[-1])
+    assert run["load average"][0] < 2.0  # one thread timed, on two cores
+    page = speed_page.PAGE.read_text()
+    assert f"{speed_page.place(found[-1].name)}`" in page
+    for name, row in run["rows"].items():
+        assert f"| {name} | {row['batch']} | {row['examples/s']:,.0f} |" in page

@@ -507,6 +507,66 @@ def data_pipeline() -> str:
     )
 
 
+def data_rates(results: Path = RESULTS) -> list[Path]:
+    "benchmarks/data_rate.py's records: newest last"
+    return sorted(results.glob("data-rate-cpu-*.json"), key=lambda p: date_of(p.name))
+
+
+def gpu_recipe_runs(results: Path = RESULTS) -> list[list[str]]:
+    """Each training run of the GPU script's segment and real parts: its call, its
+    workers, its examples a second, and a worker's share of them"""
+    rows = []
+    for path in sorted(results.glob("gpu-run-*.json")):
+        parts = record(path)["parts"]
+        segment, real = parts.get("segment", {}), parts.get("real", {})
+        runs = [(f"segment {n}", segment["workers per run"], r["examples_per_s"])
+                for n, r in segment.get("runs", {}).items()]  # fmt: skip
+        if "examples_per_s" in real:
+            runs.append(("real", real["workers"], real["examples_per_s"]))
+        stamp = path.stem.removeprefix("gpu-run-")
+        rows += [[stamp, name, str(w), f"{rate:,.0f}", f"{rate / w:,.0f}"]
+                 for name, w, rate in runs]  # fmt: skip
+    return rows
+
+
+def recipe_data() -> str:
+    "One worker's rate for the GPU recipes (benchmarks/data_rate.py, issue 49)"
+    found = data_rates()
+    if not found:
+        return ""
+    run = record(found[-1])
+    ratio = "x the world's answers"  # benchmarks/data_rate.py's column
+    rows = [[name, str(r["batch"]), f"{r['examples/s']:,.0f}",
+             f"{r[ratio]:.2f}" if ratio in r else ""]
+            for name, r in run["rows"].items()]  # fmt: skip
+    gpu = gpu_recipe_runs()
+    machine = f"2-core CPU, one thread, PyTorch {run['torch']}"
+    old, new = (run["rows"][f"segment, {way}"]["examples/s"]
+                for way in ("the world's answers", "codes on the device"))  # fmt: skip
+    assert new > 2 * old, (old, new)  # what the prose says
+    return "\n\n".join(
+        [
+            "## The GPU recipes' data, one worker",
+            "A GPU run trains on batches that `DataLoader` workers draw on the GPU "
+            "machine's CPU cores, so it cannot train faster than its workers build. "
+            "Examples a second that one worker (one thread) builds here for each "
+            "recipe of the GPU script: the segment part's, with each example's masks "
+            "encoded in the worker as the world writes its answers, and with the "
+            "codes left to the device (chapter 12.1, what `train` does now); the "
+            "real part's, which has nothing to leave. `finish`, the loop's share, "
+            f"took {run['finish ms a step, this CPU']} ms a step on this CPU, the "
+            "encoder over a batch's masks; on a GPU it is a few kernels.",
+            table(["recipe", "batch", "examples/s", "x"], rows),
+            "The GPU runs, as their records give them, and each run's examples a "
+            "second for each of its workers (the segment parts ran up to two recipes "
+            "side by side, 7 workers each, on 16 cores; they drew the world's answers, "
+            "before 12.1's painting and its codes on the device):",
+            table(["call", "run", "workers", "examples/s", "a worker"], gpu),
+            source(found[-1].name, machine, run["command"].strip()),
+        ]
+    )
+
+
 RESOLUTION_HEADER = ["pixels", "image tokens", "prefill ms", "x 224", "FLOPs x 224",
                      "step ms", "x 224"]  # fmt: skip
 
@@ -859,6 +919,7 @@ def render() -> str:
         cpu_threads(),
         cpu_int8(),
         data_pipeline(),
+        recipe_data(),
         cpu_resolution(),
         gpu_resolution(),
     ]
