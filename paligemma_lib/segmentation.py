@@ -504,7 +504,7 @@ def _paint(background: int, colours: list, full: list) -> Image.Image:
     image.putpalette([background] * 3 + [v for c in colours for v in c])
     return image.convert("RGB")
 
-
+# %% ../book/12b_segmentation.ipynb #5a3b339c
 def _draw_scene(rng: random.Random, seed: int) -> SegmentScene:
     "The scene `segment_scene(seed)` describes, drawn with `rng`"
     for _ in range(MAX_TRIES):
@@ -519,15 +519,13 @@ def _draw_scene(rng: random.Random, seed: int) -> SegmentScene:
             covered |= mask
         if any(v.sum() < MIN_VISIBLE * f.sum() for v, f in zip(visible, full)):
             continue
-        image = _paint(background, [COLOURS[c] for c in colours], full)
         boxes = [_mask_box(v) for v in visible]
-        # left to right by the box centre's x (twice it: integers), then y
-        order = sorted(
+        order = sorted(  # left to right: the box centre's x (twice it), then y
             range(n), key=lambda i: (sum(boxes[i][::2]), boxes[i][1])
         )
         return SegmentScene(
             seed,
-            image,
+            _paint(background, [COLOURS[c] for c in colours], full),
             [kinds[i] for i in order],
             [colours[i] for i in order],
             [boxes[i] for i in order],
@@ -569,7 +567,7 @@ def segment_answer(scene: SegmentScene, kind: str, vae=None) -> str:
         codes = vae.encode(crops).tolist()  # [n, 16]
     return _answer_text(scene, kind, chosen, codes)
 
-
+# %% ../book/12b_segmentation.ipynb #86d6a8b3
 def _answer_text(scene, kind: str, chosen: list, codes: list) -> str:
     "The objects `chosen`, each its box's <loc> and its codes' <seg> tokens"
     objects = []
@@ -633,7 +631,7 @@ class PendingAnswer:
     text: str
     crops: torch.Tensor  # [n, 64, 64]: the masks whose codes are due
 
-
+# %% ../book/12b_segmentation.ipynb #fb02b
 class DeferredSegments(torch.utils.data.Dataset):
     """`data` (a SyntheticDataset) as training reads it: the segments world's
     answers pending, (image, prompt, PendingAnswer); other worlds' as is"""
@@ -650,7 +648,9 @@ class DeferredSegments(torch.utils.data.Dataset):
         seed = self.data.seeds[self.data._index(i)]
         scene, kind = _segments_scene(example_rng("segments", seed), seed)
         chosen, crops = _crops(scene, kind)
-        text = _answer_text(scene, kind, chosen, [[0] * 16] * len(chosen))
+        text = _answer_text(
+            scene, kind, chosen, [[0] * NUM_MASK_TOKENS] * len(chosen)
+        )
         prompt = SEGMENT_PROMPT.format(kind=kind)
         return scene.image, prompt, PendingAnswer(text, crops)
 
@@ -664,7 +664,7 @@ class PendingBatch:
     rows: torch.Tensor  # [16 n]
     cols: torch.Tensor  # [16 n]
 
-
+# %% ../book/12b_segmentation.ipynb #fb03b
 class SegmentCollator(Collator):
     """`Collator` that also takes PendingAnswers: a batch with any comes back
     a PendingBatch, which `finish` completes on the training device"""
@@ -707,7 +707,7 @@ def finish(self, micro_batches: list, device) -> list:
         for b in micro_batches
     ]  # fmt: skip
 
-
+# %% ../book/12b_segmentation.ipynb #fb05b
 @patch_to(SegmentCollator)
 def _completed(self, pending: PendingBatch, device) -> PaliGemmaBatch:
     vae = _answer_vae()  # the VAE the world's answers are written with
@@ -726,7 +726,7 @@ def _completed(self, pending: PendingBatch, device) -> PaliGemmaBatch:
     batch.input_ids[at], batch.labels[at] = ids, ids
     return batch
 
-
+# %% ../book/12b_segmentation.ipynb #fb05c
 def _deferred_batches(data, collate: Collator) -> tuple:
     "The segments world's batches: (DeferredSegments, SegmentCollator)"
     wrapped = SegmentCollator(
