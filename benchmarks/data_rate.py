@@ -14,7 +14,9 @@ with one thread, as a DataLoader worker has it:
   `training_data`, what `train` does now); the finish's own time on this CPU, a step,
   is measured apart (on a GPU it is a few kernels);
 - real: nano-real's mix (Fashion-MNIST and the digits, chapter 12.2), which has no work
-  to leave to the device.
+  to leave to the device;
+- stage 2, at 448: the `stage2` part's mix (chapter 11.4's detail world, drawn at 448,
+  among chapter 11's worlds, resized to 448), for nano resampled to 448.
 
 Each rate is the median over --repeats of --steps step batches, timed after one
 warm-up batch, the ways alternating so that a slow spell is shared. Run from the
@@ -76,7 +78,28 @@ def ways(steps: int) -> dict:
             built[f"{name}, codes on the device"] = StepBatches(*own, config)
         else:
             built[name] = StepBatches(train_set, plain, config)
+    built["stage 2, at 448"] = stage2_batches(data, steps)
     return built
+
+
+def stage2_batches(data, steps: int) -> StepBatches:
+    """The stage2 part's batches (tools/gpu_stage2.py): its mix, chapter 11.4's
+    detail world among chapter 11's, at 448 pixels, for nano resampled"""
+    from gpu_stage2 import RESOLUTION, STAGE2_RUN, WORLDS
+
+    import paligemma_lib.small_detail  # noqa: F401  (the detail world)
+    from paligemma_lib.model_files import resolve_model_path
+    from paligemma_lib.resolution import processor_at
+
+    config = json.loads((resolve_model_path("nano") / "config.json").read_text())
+    nano = PaliGemmaProcessor.from_pretrained("nano")
+    processor = processor_at(nano, RESOLUTION, config["vision_config"]["patch_size"])
+    size = int(STAGE2_RUN[STAGE2_RUN.index("--batch-size") + 1])
+    train_set = data.SyntheticDataset(parse_worlds(WORLDS), "train", size=10**6)
+    collate = Collator(processor, pixels="uint8")
+    return StepBatches(
+        train_set, collate, TrainConfig(steps=steps + 1, batch_size=size)
+    )
 
 
 def timed(batches: StepBatches, first: int, steps: int) -> tuple[float, list]:
@@ -146,7 +169,8 @@ def main(argv=None) -> int:
         "load average": [round(x, 2) for x in os.getloadavg()],
         "steps a timing": args.steps,
         "repeats": args.repeats,
-        "recipes": {name: " ".join(flags) for name, flags in recipes().items()},
+        "recipes": {name: " ".join(flags) for name, flags in recipes().items()}
+        | {"stage 2, at 448": "tools/gpu_stage2.py's STAGE2_RUN at 448"},
         "rows": rows,
         "finish ms a step, this CPU": finish_ms,
     }

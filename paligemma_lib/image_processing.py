@@ -209,13 +209,15 @@ def image_levels(images, image_size: int = 224, resample: str = "bicubic"):
             "no images given: pass one image or a non-empty list of images"
         )
     images = [load_image(im) for im in images]  # 8-bit RGB
-    if all(im.size == (image_size, image_size) for im in images):
-        # nothing to resize: stack the 8-bit pixels as they are
-        levels = torch.from_numpy(np.stack([np.asarray(im) for im in images]))
-        # [B, H, W, 3] -> [B, 3, H, W]
-        return levels.permute(0, 3, 1, 2).contiguous()
-    resized = [resize_to_square(im, image_size, resample) for im in images]
-    return torch.stack(resized).to(torch.uint8)  # whole levels 0..255: exact
+    square = (image_size, image_size)
+    levels = [  # [S, S, 3] each: whole levels 0..255, so uint8 is exact
+        np.asarray(im) if im.size == square
+        else resize_to_square(im, image_size, resample).permute(1, 2, 0)
+        .to(torch.uint8).numpy()
+        for im in images
+    ]  # fmt: skip
+    # [B, H, W, 3] -> [B, 3, H, W], in one copy
+    return torch.from_numpy(np.stack(levels)).permute(0, 3, 1, 2).contiguous()
 
 # %% ../book/01_images_to_patches.ipynb #045a4db1
 # (mean, std, device) -> 255, mean, std: [1, 3, 1, 1] float32

@@ -553,7 +553,11 @@ def recipe_data() -> str:
             "recipe of the GPU script: the segment part's, with each example's masks "
             "encoded in the worker as the world writes its answers, and with the "
             "codes left to the device (chapter 12.1, what `train` does now); the "
-            "real part's, which has nothing to leave. `finish`, the loop's share, "
+            "real part's, which has nothing to leave; and the stage2 part's, chapter "
+            "11.4's detail world among chapter 11's at 448 pixels. On this shared "
+            "machine a rate moves from one run to the next by tens of percent; the "
+            "ways alternate within a run, so their ratio is the figure to read. "
+            "`finish`, the loop's share, "
             f"took {run['finish ms a step, this CPU']} ms a step on this CPU, the "
             "encoder over a batch's masks; on a GPU it is a few kernels.",
             table(["recipe", "batch", "examples/s", "x"], rows),
