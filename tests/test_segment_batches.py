@@ -163,3 +163,31 @@ def test_a_pending_batch_with_too_few_places_is_refused(processor):
     extra = seg.PendingAnswer(answer.text, torch.cat([answer.crops, answer.crops]))
     with pytest.raises(RuntimeError, match="<seg> places for"):
         collate([(image, prompt, extra)])
+
+
+def test_the_data_rate_benchmark_builds_each_way_as_train_would():
+    "benchmarks/data_rate.py: the segment recipe both ways, the others as they are"
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import data_rate
+
+    built = data_rate.ways(2)
+    assert set(built) == {
+        "segment, the world's answers",
+        "segment, codes on the device",
+        "real",
+        "stage 2, at 448",
+    }
+    own, device = (
+        built["segment, the world's answers"],
+        built["segment, codes on the device"],
+    )
+    assert type(own.collate) is Collator and isinstance(
+        device.collate, seg.SegmentCollator
+    )
+    assert isinstance(device.dataset, seg.DeferredSegments)
+    assert device.dataset.data is own.dataset  # the same examples, the same steps
+    assert built["stage 2, at 448"].collate.processor.image_size == 448
