@@ -484,7 +484,9 @@ def train(
     workers: int = 0,
 ) -> dict:
     """Train `model` in place on `dataset` (ds[i] -> (image, prompt, answer)),
-    batched by `collate` (a list of triples -> PaliGemmaBatch with labels).
+    batched by `collate` (a list of triples -> PaliGemmaBatch with labels;
+    a collate with a method finish(micro_batches, device) leaves work to the
+    device, and each step's micro-batches go through it first).
 
     out_dir: where checkpoints go (out_dir/checkpoints/step-N), every
         config.save_every steps and at the end; None: no checkpoints.
