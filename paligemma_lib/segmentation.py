@@ -6,9 +6,7 @@ __all__ = ['NUM_SEG_CODES', 'CODE_DIM', 'NUM_MASK_TOKENS', 'MASK_SIZE',
            'ResBlock', 'mask_encoder', 'mask_decoder', 'VectorQuantizer',
            'Quantized', 'code_usage', 'MaskVAE', 'shipped_mask_vae_path',
            'load_mask_vae', 'Segment', 'parse_segments', 'draw_segments',
-           'SegmentScene', 'segment_scene', 'mask_to_64', 'segment_answer',
-           'PendingAnswer', 'DeferredSegments', 'PendingBatch',
-           'SegmentCollator']
+           'SegmentScene', 'segment_scene', 'mask_to_64', 'segment_answer']
 
 # %% ../book/12b_segmentation.ipynb #s002
 import os
@@ -425,11 +423,8 @@ from paligemma_lib.data import (
     KINDS,
     MARGIN,
     MAX_TRIES,
-    PROMPTS,
     SEEDS_PER_WORLD,
     SIDES,
-    Example,
-    add_world,
 )
 
 SEGMENT_PROMPT = "segment {kind}"
@@ -589,150 +584,7 @@ def _answer_vae() -> MaskVAE:
         _ANSWER_VAES[str(path)] = load_mask_vae(path)
     return _ANSWER_VAES[str(path)]
 
-# %% ../book/12b_segmentation.ipynb #1ea16e04
-def _segments_scene(rng: random.Random, seed: int) -> tuple:
-    "Scene `seed` of the segments world, and the kind its example asks"
-    scene = _draw_scene(rng, seed)
-    return scene, rng.choice(sorted(set(scene.labels)))
-
-
-def _segments_example(rng: random.Random, seed: int, task) -> Example:
-    "Example `seed` of the segments world: one kind of its scene, segmented"
-    scene, kind = _segments_scene(rng, seed)
-    chosen = [i for i, label in enumerate(scene.labels) if label == kind]
-    return Example(
-        "segments",
-        seed,
-        "segment",
-        scene.image,
-        SEGMENT_PROMPT.format(kind=kind),
-        segment_answer(scene, kind, _answer_vae()),
-        boxes=[scene.boxes[i] for i in chosen],
-        labels=[kind] * len(chosen),
-        masks=scene.masks[chosen],
-    )
-
-
-PROMPTS["segment"] = SEGMENT_PROMPT
-add_world("segments", _segments_example, ("segment",), SCENE_OFFSET)
-
-# %% ../book/12b_segmentation.ipynb #fb02
-import copy
-
-from .batching import TRAINING_BATCHES
-from .data import Collator, example_rng
-from .processing import PaliGemmaBatch
-
-
-@dataclass
-class PendingAnswer:
-    "A segments answer without its codes: code 0 in their place, and the masks"
-
-    text: str
-    crops: torch.Tensor  # [n, 64, 64]: the masks whose codes are due
-
-# %% ../book/12b_segmentation.ipynb #fb02b
-class DeferredSegments(torch.utils.data.Dataset):
-    """`data` (a SyntheticDataset) as training reads it: the segments world's
-    answers pending, (image, prompt, PendingAnswer); other worlds' as is"""
-
-    def __init__(self, data):
-        self.data = data
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> tuple:
-        if self.data.world(i) != "segments":
-            return self.data[i]
-        seed = self.data.seeds[self.data._index(i)]
-        scene, kind = _segments_scene(example_rng("segments", seed), seed)
-        chosen, crops = _crops(scene, kind)
-        text = _answer_text(
-            scene, kind, chosen, [[0] * NUM_MASK_TOKENS] * len(chosen)
-        )
-        prompt = SEGMENT_PROMPT.format(kind=kind)
-        return scene.image, prompt, PendingAnswer(text, crops)
-
-# %% ../book/12b_segmentation.ipynb #fb03
-@dataclass
-class PendingBatch:
-    "A batch whose <seg> places (rows, cols) wait for the codes of `crops`"
-
-    batch: PaliGemmaBatch
-    crops: torch.Tensor  # [n, 64, 64]: 16 places each, in the places' order
-    rows: torch.Tensor  # [16 n]
-    cols: torch.Tensor  # [16 n]
-
-# %% ../book/12b_segmentation.ipynb #fb03b
-class SegmentCollator(Collator):
-    """`Collator` that also takes PendingAnswers: a batch with any comes back
-    a PendingBatch, which `finish` completes on the training device"""
-
-    def __call__(self, examples: list) -> PaliGemmaBatch | PendingBatch:
-        answers = [answer for _, _, answer in examples]
-        pending = [isinstance(a, PendingAnswer) for a in answers]
-        texts = [a.text if p else a for a, p in zip(answers, pending)]
-        triples = [(e[0], e[1], text) for e, text in zip(examples, texts)]
-        batch = super().__call__(triples)
-        if not any(pending):
-            return batch
-        # the pending rows' <seg> places, row by row: objects left to right
-        places = torch.isin(batch.input_ids, self.seg_ids())
-        places &= torch.tensor(pending)[:, None]
-        rows, cols = places.nonzero(as_tuple=True)
-        crops = torch.cat([a.crops for a, p in zip(answers, pending) if p])
-        if len(rows) != NUM_MASK_TOKENS * len(crops):
-            raise RuntimeError(
-                f"{len(rows)} <seg> places for {len(crops)} masks"
-            )
-        return PendingBatch(batch, crops, rows, cols)
-
-    def seg_ids(self) -> torch.Tensor:
-        "The ids of <seg000> ... <seg127>: code c is seg_ids()[c]"
-        tokenizer = self.processor.tokenizer
-        return torch.tensor([tokenizer.piece_to_id(t) for t in SEG_TOKENS])
-
-# %% ../book/12b_segmentation.ipynb #fb05
-_DEVICE_VAES = {}  # (the answers' VAE, device) -> a copy of it there
-
-
-@patch_to(SegmentCollator)
-def finish(self, micro_batches: list, device) -> list:
-    """Each PendingBatch completed: all its masks encoded on `device` in one
-    call, in float32, their codes written into its ids and labels"""
-    return [
-        self._completed(b, torch.device(device))
-        if isinstance(b, PendingBatch) else b
-        for b in micro_batches
-    ]  # fmt: skip
-
-# %% ../book/12b_segmentation.ipynb #fb05b
-@patch_to(SegmentCollator)
-def _completed(self, pending: PendingBatch, device) -> PaliGemmaBatch:
-    vae = _answer_vae()  # the VAE the world's answers are written with
-    if (id(vae), str(device)) not in _DEVICE_VAES:
-        _DEVICE_VAES[id(vae), str(device)] = copy.deepcopy(vae).to(device)
-    tf32 = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False  # float32 products, as on a CPU
-    try:
-        with torch.no_grad():
-            crops = pending.crops.to(device)
-            codes = _DEVICE_VAES[id(vae), str(device)].encode(crops).cpu()
-    finally:
-        torch.backends.cudnn.allow_tf32 = tf32
-    ids = self.seg_ids()[codes.flatten()]
-    batch, at = pending.batch, (pending.rows, pending.cols)
-    batch.input_ids[at], batch.labels[at] = ids, ids
-    return batch
-
-# %% ../book/12b_segmentation.ipynb #fb05c
-def _deferred_batches(data, collate: Collator) -> tuple:
-    "The segments world's batches: (DeferredSegments, SegmentCollator)"
-    wrapped = SegmentCollator(
-        collate.processor, collate.max_length, collate.pixels
-    )
-    return DeferredSegments(data), wrapped
-
-
-TRAINING_BATCHES["segments"] = _deferred_batches
+# %% ../book/12b_segmentation.ipynb #1ea16e05
+# the world, with its training batches (the codes written on the device: "More
+# examples a second" below), joins the others with this module
+from . import segment_world  # noqa: E402, F401

@@ -66,6 +66,7 @@ MODULES = {
     "mask_vae_training": "",
     "segment_eval": "",
     "segment_recipes": "",
+    "segment_world": "",
     "real_images": "",
     "real_recipes": "",
     "resolution": "",
