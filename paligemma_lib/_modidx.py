@@ -33,6 +33,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                         'paligemma_lib/batching.py'),
                                         'paligemma_lib.batching._as_is': ('training.html#_as_is', 'paligemma_lib/batching.py'),
                                         'paligemma_lib.batching.epoch_order': ('training.html#epoch_order', 'paligemma_lib/batching.py'),
+                                        'paligemma_lib.batching.finished': ('training.html#finished', 'paligemma_lib/batching.py'),
                                         'paligemma_lib.batching.global_batch': ('training.html#global_batch', 'paligemma_lib/batching.py'),
                                         'paligemma_lib.batching.shard': ('training.html#shard', 'paligemma_lib/batching.py'),
                                         'paligemma_lib.batching.step_batches': ('training.html#step_batches', 'paligemma_lib/batching.py'),

@@ -5,7 +5,7 @@
 
 # %% auto #0
 __all__ = ['TRAINING_BATCHES', 'epoch_order', 'global_batch', 'shard', 'StepBatches',
-           'step_batches', 'training_data']
+           'step_batches', 'training_data', 'finished']
 
 # %% ../book/11b_training.ipynb #38bcba38
 import functools
@@ -109,3 +109,9 @@ def training_data(dataset, collate) -> tuple:
         if world in getattr(dataset, "worlds", ()):
             dataset, collate = make(dataset, collate)
     return dataset, collate
+
+
+def finished(collate, micro_batches: list, device) -> list:
+    "A step's micro-batches with what `collate` leaves to the device done"
+    finish = getattr(collate, "finish", None)
+    return micro_batches if finish is None else finish(micro_batches, device)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-from .batching import StepBatches, step_batches
+from .batching import StepBatches, finished, step_batches
 from .devices import gpu_branch, has_native_bf16
 from .input_checks import _check_token_ids, _InputsChecked
 from .optimization import make_optimizer, make_scheduler
@@ -485,8 +485,7 @@ def train(
 ) -> dict:
     """Train `model` in place on `dataset` (ds[i] -> (image, prompt, answer)),
     batched by `collate` (a list of triples -> PaliGemmaBatch with labels;
-    a collate with a method finish(micro_batches, device) leaves work to the
-    device, and each step's micro-batches go through it first).
+    its finish(micro_batches, device), if any, runs before each step).
 
     out_dir: where checkpoints go (out_dir/checkpoints/step-N), every
         config.save_every steps and at the end; None: no checkpoints.
@@ -530,9 +529,7 @@ def train(
     batches = StepBatches(dataset, collate, config, rank, world_size)
     upcoming = step_batches(batches, start, workers)
     for step in range(start, config.steps):
-        micro_batches = next(upcoming)
-        if hasattr(collate, "finish"):  # work left to the device
-            micro_batches = collate.finish(micro_batches, device)
+        micro_batches = finished(collate, next(upcoming), device)
         lr = optimizer.param_groups[0]["lr"]
         loss, norm = training_step(
             stepped,

@@ -112,8 +112,9 @@ def pieces(args: argparse.Namespace, device):
 
 def finished(batches, micro_batches: list, device) -> list:
     "A step's micro-batches as `train` steps on them: finished on the device"
-    finish = getattr(batches.collate, "finish", None)
-    return micro_batches if finish is None else finish(micro_batches, device)
+    from paligemma_lib.batching import finished as done_on_device
+
+    return done_on_device(batches.collate, micro_batches, device)
 
 
 def sync(device) -> None:
