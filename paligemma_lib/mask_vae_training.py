@@ -4,10 +4,24 @@
 # (and the later chapters named in the cell markers).
 
 # %% auto #0
-__all__ = ['VAE_TRAIN_SEEDS', 'VAE_TEST_SEEDS', 'COMMITMENT', 'world_masks',
-           'init_codebook', 'restart_dead_codes', 'vae_losses',
+__all__ = ['VAE_TRAIN_SEEDS', 'VAE_TEST_SEEDS', 'COMMITMENT', 'code_usage',
+           'world_masks', 'init_codebook', 'restart_dead_codes', 'vae_losses',
            'train_mask_vae', 'mask_iou', 'reconstruction_report',
            'save_mask_vae']
+
+# %% ../book/12b_segmentation.ipynb #s023
+import torch
+from .segmentation import NUM_SEG_CODES
+
+
+def code_usage(codes: torch.Tensor, num_codes: int = NUM_SEG_CODES):
+    """Codes (any shape) -> (counts [num_codes], perplexity, dead codes), the
+    perplexity being exp of the entropy of the codes' frequencies"""
+    counts = torch.bincount(codes.flatten(), minlength=num_codes)
+    p = counts[counts > 0].double() / counts.sum()
+    perplexity = torch.exp(-(p * p.log()).sum()).item()
+    dead = (counts == 0).nonzero().flatten().tolist()
+    return counts, perplexity, dead
 
 # %% ../book/12b_segmentation.ipynb #t002
 import numpy as np
@@ -17,7 +31,6 @@ from paligemma_lib.segmentation import (
     NUM_SEG_CODES,
     MaskVAE,
     _mask_in_box,
-    code_usage,
     mask_to_64,
     segment_scene,
 )

@@ -4,9 +4,9 @@
 __all__ = ['NUM_SEG_CODES', 'CODE_DIM', 'NUM_MASK_TOKENS', 'MASK_SIZE',
            'SEGMENT_COLOURS', 'SEGMENT_PROMPT', 'SCENE_OFFSET', 'MIN_VISIBLE',
            'ResBlock', 'mask_encoder', 'mask_decoder', 'VectorQuantizer',
-           'Quantized', 'code_usage', 'MaskVAE', 'shipped_mask_vae_path',
-           'load_mask_vae', 'Segment', 'parse_segments', 'draw_segments',
-           'SegmentScene', 'segment_scene', 'mask_to_64', 'segment_answer']
+           'Quantized', 'MaskVAE', 'shipped_mask_vae_path', 'load_mask_vae',
+           'Segment', 'parse_segments', 'draw_segments', 'SegmentScene',
+           'segment_scene', 'mask_to_64', 'segment_answer']
 
 # %% ../book/12b_segmentation.ipynb #s002
 import os
@@ -133,16 +133,6 @@ def lookup(self, codes: torch.Tensor) -> torch.Tensor:
     b = codes.shape[0]
     e = self._embedding[codes]  # [B, 16, D]
     return e.reshape(b, _GRID, _GRID, -1).permute(0, 3, 1, 2)
-
-# %% ../book/12b_segmentation.ipynb #s023
-def code_usage(codes: torch.Tensor, num_codes: int = NUM_SEG_CODES):
-    """Codes (any shape) -> (counts [num_codes], perplexity, dead codes), the
-    perplexity being exp of the entropy of the codes' frequencies"""
-    counts = torch.bincount(codes.flatten(), minlength=num_codes)
-    p = counts[counts > 0].double() / counts.sum()
-    perplexity = torch.exp(-(p * p.log()).sum()).item()
-    dead = (counts == 0).nonzero().flatten().tolist()
-    return counts, perplexity, dead
 
 # %% ../book/12b_segmentation.ipynb #s026
 class MaskVAE(nn.Module):
@@ -423,8 +413,11 @@ from paligemma_lib.data import (
     KINDS,
     MARGIN,
     MAX_TRIES,
+    PROMPTS,
     SEEDS_PER_WORLD,
     SIDES,
+    Example,
+    add_world,
 )
 
 SEGMENT_PROMPT = "segment {kind}"
@@ -463,10 +456,16 @@ def _silhouette(rng: random.Random, kind: str) -> np.ndarray:
 # %% ../book/12b_segmentation.ipynb #87fc3a24
 def _mask_box(mask: np.ndarray) -> tuple[int, int, int, int]:
     "A [H, W] bool mask -> its box (x0, y0, x1, y1), pixel edges"
-    rows, cols = mask.any(1), mask.any(0)  # the rows, the columns it reaches
-    y0, y1 = rows.argmax(), len(rows) - rows[::-1].argmax()
-    x0, x1 = cols.argmax(), len(cols) - cols[::-1].argmax()
-    return int(x0), int(y0), int(x1), int(y1)
+    ys, xs = mask.any(1).nonzero()[0], mask.any(0).nonzero()[0]  # reached
+    return int(xs[0]), int(ys[0]), int(xs[-1]) + 1, int(ys[-1]) + 1
+
+
+def _paint(background: int, colours: list, full: list) -> Image.Image:
+    "The masks painted in order: a pixel takes the last shape's colour there"
+    index = np.max([np.uint8(k) * m for k, m in enumerate(full, 1)], axis=0)
+    image = Image.fromarray(index)  # shape k is k, the background 0: colours
+    image.putpalette([background] * 3 + [v for c in colours for v in c])
+    return image.convert("RGB")
 
 # %% ../book/12b_segmentation.ipynb #w003
 @dataclass
@@ -488,16 +487,6 @@ def segment_scene(seed: int) -> SegmentScene:
             f"seed {seed!r} must be an int in 0..{SEEDS_PER_WORLD - 1}"
         )
     return _draw_scene(random.Random(SCENE_OFFSET + seed), seed)
-
-# %% ../book/12b_segmentation.ipynb #5a3b339b
-def _paint(background: int, colours: list, full: list) -> Image.Image:
-    "The masks painted in order: a pixel takes the last shape's colour there"
-    index = np.zeros(full[0].shape, np.uint8)  # 0: the background
-    for k, mask in enumerate(full, 1):  # a later shape covers an earlier one
-        index[mask] = k
-    image = Image.fromarray(index)  # then each number its palette's colour
-    image.putpalette([background] * 3 + [v for c in colours for v in c])
-    return image.convert("RGB")
 
 # %% ../book/12b_segmentation.ipynb #5a3b339c
 def _draw_scene(rng: random.Random, seed: int) -> SegmentScene:
@@ -548,9 +537,8 @@ def _crops(scene: SegmentScene, kind: str) -> tuple[list, torch.Tensor]:
             f"scene {scene.seed} has no {kind}; it holds "
             f"{', '.join(sorted(set(scene.labels)))}"
         )
-    return chosen, torch.stack(
-        [mask_to_64(scene.masks[i], scene.boxes[i]) for i in chosen]
-    )
+    crops = [mask_to_64(scene.masks[i], scene.boxes[i]) for i in chosen]
+    return chosen, torch.stack(crops)
 
 
 def segment_answer(scene: SegmentScene, kind: str, vae=None) -> str:
@@ -584,7 +572,29 @@ def _answer_vae() -> MaskVAE:
         _ANSWER_VAES[str(path)] = load_mask_vae(path)
     return _ANSWER_VAES[str(path)]
 
-# %% ../book/12b_segmentation.ipynb #1ea16e05
-# the world, with its training batches (the codes written on the device: "More
-# examples a second" below), joins the others with this module
-from . import segment_world  # noqa: E402, F401
+# %% ../book/12b_segmentation.ipynb #1ea16e04
+def _segments_scene(rng: random.Random, seed: int) -> tuple:
+    "Scene `seed` of the segments world, and the kind its example asks"
+    scene = _draw_scene(rng, seed)
+    return scene, rng.choice(sorted(set(scene.labels)))
+
+
+def _segments_example(rng: random.Random, seed: int, task) -> Example:
+    "Example `seed` of the segments world: one kind of its scene, segmented"
+    scene, kind = _segments_scene(rng, seed)
+    chosen = [i for i, label in enumerate(scene.labels) if label == kind]
+    return Example(
+        "segments",
+        seed,
+        "segment",
+        scene.image,
+        SEGMENT_PROMPT.format(kind=kind),
+        segment_answer(scene, kind, _answer_vae()),
+        boxes=[scene.boxes[i] for i in chosen],
+        labels=[kind] * len(chosen),
+        masks=scene.masks[chosen],
+    )
+
+
+PROMPTS["segment"] = SEGMENT_PROMPT
+add_world("segments", _segments_example, ("segment",), SCENE_OFFSET)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import paligemma_lib.segment_world as segment_world
+import paligemma_lib.segment_batches as segment_batches
 import paligemma_lib.segmentation as seg
 from paligemma_lib import PaliGemmaProcessor
 from paligemma_lib.batching import StepBatches, step_batches, training_data
@@ -139,7 +139,7 @@ def test_train_finishes_each_step_before_the_step(tmp_path):
         size="tiny",
         progress=False,
     )
-    finish, step = segment_world.SegmentCollator.finish, train_module.training_step
+    finish, step = segment_batches.SegmentCollator.finish, train_module.training_step
     seen = []
 
     def spy(model, micro_batches, *args, **kwargs):
@@ -148,7 +148,7 @@ def test_train_finishes_each_step_before_the_step(tmp_path):
 
     with (
         mock.patch.object(
-            segment_world.SegmentCollator, "finish", autospec=True, side_effect=finish
+            segment_batches.SegmentCollator, "finish", autospec=True, side_effect=finish
         ) as f,
         mock.patch.object(train_module, "training_step", side_effect=spy),
     ):
@@ -161,7 +161,7 @@ def test_a_pending_batch_with_too_few_places_is_refused(processor):
     data = SyntheticDataset("segments", "train", size=2)
     deferred, collate = training_data(data, Collator(processor, pixels="uint8"))
     image, prompt, answer = deferred[0]
-    extra = segment_world.PendingAnswer(
+    extra = segment_batches.PendingAnswer(
         answer.text, torch.cat([answer.crops, answer.crops])
     )
     with pytest.raises(RuntimeError, match="<seg> places for"):
@@ -189,8 +189,8 @@ def test_the_data_rate_benchmark_builds_each_way_as_train_would():
         built["segment, codes on the device"],
     )
     assert type(own.collate) is Collator and isinstance(
-        device.collate, segment_world.SegmentCollator
+        device.collate, segment_batches.SegmentCollator
     )
-    assert isinstance(device.dataset, segment_world.DeferredSegments)
+    assert isinstance(device.dataset, segment_batches.DeferredSegments)
     assert device.dataset.data is own.dataset  # the same examples, the same steps
     assert built["stage 2, at 448"].collate.processor.image_size == 448

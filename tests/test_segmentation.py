@@ -14,6 +14,7 @@ from paligemma_lib.boxes import bin_to_coordinate
 from paligemma_lib.mask_vae_training import (
     VAE_TEST_SEEDS,
     VAE_TRAIN_SEEDS,
+    code_usage,
     init_codebook,
     reconstruction_report,
     restart_dead_codes,
@@ -22,7 +23,6 @@ from paligemma_lib.mask_vae_training import (
 )
 from paligemma_lib.segmentation import (
     MaskVAE,
-    code_usage,
     load_mask_vae,
     mask_to_64,
     parse_segments,

@@ -66,7 +66,7 @@ MODULES = {
     "mask_vae_training": "",
     "segment_eval": "",
     "segment_recipes": "",
-    "segment_world": "",
+    "segment_batches": "",
     "real_images": "",
     "real_recipes": "",
     "resolution": "",

@@ -183,19 +183,21 @@ def parse_worlds(text: str) -> dict:
 def import_data():
     "The synthetic worlds (chapter 11), imported only by the commands that need them"
     try:
-        # segmentation adds "segments", segment_recipes "boxes", real_images
+        # segmentation adds "segments" (segment_batches its training batches,
+        # codes written on the device), segment_recipes "boxes", real_images
         # "clothing", "handwriting", real_recipes "naming", "pen", small_detail "detail"
         from .. import (  # noqa: F401
             data,
             real_images,
             real_recipes,
+            segment_batches,
             segment_recipes,
             segmentation,
             small_detail,
         )
     except ModuleNotFoundError as e:
-        ours = ("data", "segmentation", "segment_recipes", "real_images",
-                "real_recipes", "small_detail")  # fmt: skip
+        ours = ("data", "segmentation", "segment_batches", "segment_recipes",
+                "real_images", "real_recipes", "small_detail")  # fmt: skip
         if e.name not in [f"paligemma_lib.{m}" for m in ours]:
             raise
         raise ValueError(

@@ -14,57 +14,22 @@ from dataclasses import dataclass
 import torch
 from .batching import TRAINING_BATCHES
 from .config import patch_to
-from paligemma_lib.data import (
-    PROMPTS,
-    Collator,
-    Example,
-    add_world,
-    example_rng,
-)
+from .data import Collator, example_rng
 from .processing import PaliGemmaBatch
 from paligemma_lib.segmentation import (
     NUM_MASK_TOKENS,
-    SCENE_OFFSET,
     SEGMENT_PROMPT,
     _answer_text,
     _answer_vae,
     _crops,
-    _draw_scene,
-    segment_answer,
+    _segments_scene,
 )
 from .tokenization import SEG_TOKENS
 
-__doc__ = """The segments world (chapter 12.1): its examples, which join
-chapter 11's worlds, and its training batches, whose codes are written on the
-training device (workers draw the scenes and cut the masks, `finish` encodes a
-micro-batch's masks in one call)."""
-
-# %% ../book/12b_segmentation.ipynb #1ea16e04
-def _segments_scene(rng: random.Random, seed: int) -> tuple:
-    "Scene `seed` of the segments world, and the kind its example asks"
-    scene = _draw_scene(rng, seed)
-    return scene, rng.choice(sorted(set(scene.labels)))
-
-
-def _segments_example(rng: random.Random, seed: int, task) -> Example:
-    "Example `seed` of the segments world: one kind of its scene, segmented"
-    scene, kind = _segments_scene(rng, seed)
-    chosen = [i for i, label in enumerate(scene.labels) if label == kind]
-    return Example(
-        "segments",
-        seed,
-        "segment",
-        scene.image,
-        SEGMENT_PROMPT.format(kind=kind),
-        segment_answer(scene, kind, _answer_vae()),
-        boxes=[scene.boxes[i] for i in chosen],
-        labels=[kind] * len(chosen),
-        masks=scene.masks[chosen],
-    )
-
-
-PROMPTS["segment"] = SEGMENT_PROMPT
-add_world("segments", _segments_example, ("segment",), SCENE_OFFSET)
+__doc__ = """The segments world's training batches (chapter 12.1): workers draw
+the scenes and cut the masks, and `finish` writes their codes on the training
+device, a micro-batch's masks encoded in one call. Importing it registers them
+for `train` (the train command does)."""
 
 # %% ../book/12b_segmentation.ipynb #fb02
 @dataclass
