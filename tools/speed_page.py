@@ -517,13 +517,14 @@ def gpu_recipe_runs(results: Path = RESULTS) -> list[list[str]]:
     workers, its examples a second, and a worker's share of them"""
     rows = []
     for path in sorted(results.glob("gpu-run-*.json")):
-        parts = record(path)["parts"]
+        call = record(path)
+        parts = call["parts"]
         segment, real = parts.get("segment", {}), parts.get("real", {})
         runs = [(f"segment {n}", segment["workers per run"], r["examples_per_s"])
                 for n, r in segment.get("runs", {}).items()]  # fmt: skip
         if "examples_per_s" in real:
             runs.append(("real", real["workers"], real["examples_per_s"]))
-        stamp = path.stem.removeprefix("gpu-run-")
+        stamp = gpu_calls.day_and_time(call["started"])  # as A.2's calls table
         rows += [[stamp, name, str(w), f"{rate:,.0f}", f"{rate / w:,.0f}"]
                  for name, w, rate in runs]  # fmt: skip
     return rows
@@ -565,7 +566,7 @@ def recipe_data() -> str:
             "second for each of its workers (the segment parts ran up to two recipes "
             "side by side, 7 workers each, on 16 cores; they drew the world's answers, "
             "before 12.1's painting and its codes on the device):",
-            table(["call", "run", "workers", "examples/s", "a worker"], gpu),
+            table(["call (UTC)", "run", "workers", "examples/s", "a worker"], gpu),
             source(found[-1].name, machine, run["command"].strip()),
         ]
     )
