@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     if finish_ms is not None:
         print(f"finish on this CPU (the loop's share): {finish_ms} ms a step")
     commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
+        ["git", "describe", "--always", "--dirty"],  # -dirty: uncommitted changes
         cwd=ROOT,
         capture_output=True,
         text=True,

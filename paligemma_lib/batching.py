@@ -102,13 +102,21 @@ TRAINING_BATCHES = {}
 
 
 def training_data(dataset, collate) -> tuple:
-    """(dataset, collate) as training reads them: each world of `dataset`
-    (a SyntheticDataset's `worlds`) with an entry in TRAINING_BATCHES makes
-    its own; any other dataset as it is"""
-    for world, make in TRAINING_BATCHES.items():
-        if world in getattr(dataset, "worlds", ()):
-            dataset, collate = make(dataset, collate)
-    return dataset, collate
+    """(dataset, collate) as training reads them: made by the entry in
+    TRAINING_BATCHES of a world `dataset` draws from (a SyntheticDataset's
+    `worlds`), if one has an entry; as they are otherwise"""
+    worlds = getattr(dataset, "worlds", ())
+    own = [world for world in TRAINING_BATCHES if world in worlds]
+    if len(own) > 1:
+        raise ValueError(
+            f"the worlds {own} each build their training batches their own "
+            "way, and one data set cannot draw from two such worlds: train "
+            "them in separate runs, or give TRAINING_BATCHES one entry that "
+            "builds both"
+        )
+    if not own:
+        return dataset, collate
+    return TRAINING_BATCHES[own[0]](dataset, collate)
 
 
 def finished(collate, micro_batches: list, device) -> list:

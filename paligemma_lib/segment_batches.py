@@ -4,9 +4,11 @@
 # (and the later chapters named in the cell markers).
 
 # %% auto #0
-__all__ = ['PendingAnswer', 'DeferredSegments', 'PendingBatch', 'SegmentCollator']
+__all__ = ['PendingAnswer', 'DeferredSegments', 'PendingBatch', 'SegmentCollator',
+           'codes_at', 'tie_gaps', 'near_ties']
 
 # %% ../book/12b_segmentation.ipynb #sw00
+import contextlib
 import copy
 import random
 from dataclasses import dataclass
@@ -79,6 +81,13 @@ class PendingBatch:
     rows: torch.Tensor  # [16 n]
     cols: torch.Tensor  # [16 n]
 
+    def to(self, *args, **kwargs):
+        raise TypeError(
+            "this batch's <seg> codes are not written yet: pass a step's "
+            "micro-batches through collate.finish(micro_batches, device) "
+            "(paligemma_lib.batching.finished) before training on them"
+        )
+
 # %% ../book/12b_segmentation.ipynb #fb03b
 class SegmentCollator(Collator):
     """`Collator` that also takes PendingAnswers: a batch with any comes back
@@ -98,8 +107,9 @@ class SegmentCollator(Collator):
         rows, cols = places.nonzero(as_tuple=True)
         crops = torch.cat([a.crops for a, p in zip(answers, pending) if p])
         if len(rows) != NUM_MASK_TOKENS * len(crops):
-            raise RuntimeError(
-                f"{len(rows)} <seg> places for {len(crops)} masks"
+            raise ValueError(
+                f"{len(rows)} <seg> tokens where {len(crops)} masks need "
+                f"{NUM_MASK_TOKENS} each: keep <seg> out of the prompts"
             )
         return PendingBatch(batch, crops, rows, cols)
 
@@ -122,20 +132,31 @@ def finish(self, micro_batches: list, device) -> list:
         for b in micro_batches
     ]  # fmt: skip
 
+# %% ../book/12b_segmentation.ipynb #fb05a
+@contextlib.contextmanager
+def _float32(device: torch.device):
+    """float32 arithmetic on `device`, as in a worker: no autocast, and no
+    TF32 in the products or the convolutions (a GPU's), each put back after"""
+    precision = torch.get_float32_matmul_precision()
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.autocast(device.type, enabled=False):
+            yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = tf32
+
 # %% ../book/12b_segmentation.ipynb #fb05b
 @patch_to(SegmentCollator)
 def _completed(self, pending: PendingBatch, device) -> PaliGemmaBatch:
     vae = _answer_vae()  # the VAE the world's answers are written with
-    if (id(vae), str(device)) not in _DEVICE_VAES:
-        _DEVICE_VAES[id(vae), str(device)] = copy.deepcopy(vae).to(device)
-    tf32 = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False  # float32 products, as on a CPU
-    try:
-        with torch.no_grad():
-            crops = pending.crops.to(device)
-            codes = _DEVICE_VAES[id(vae), str(device)].encode(crops).cpu()
-    finally:
-        torch.backends.cudnn.allow_tf32 = tf32
+    if (vae, str(device)) not in _DEVICE_VAES:
+        _DEVICE_VAES[vae, str(device)] = copy.deepcopy(vae).to(device)
+    with _float32(device), torch.no_grad():
+        crops = pending.crops.to(device)
+        codes = _DEVICE_VAES[vae, str(device)].encode(crops).cpu()
     ids = self.seg_ids()[codes.flatten()]
     batch, at = pending.batch, (pending.rows, pending.cols)
     batch.input_ids[at], batch.labels[at] = ids, ids
@@ -151,3 +172,37 @@ def _deferred_batches(data, collate: Collator) -> tuple:
 
 
 TRAINING_BATCHES["segments"] = _deferred_batches
+
+# %% ../book/12b_segmentation.ipynb #fb07
+def codes_at(batch, collate: SegmentCollator, places) -> torch.Tensor:
+    "The codes of a batch's <seg> places [B, L], sixteen a mask: [n, 16]"
+    code_of = {int(t): c for c, t in enumerate(collate.seg_ids())}
+    ids = batch.input_ids[places].tolist()
+    return torch.tensor([code_of[t] for t in ids]).view(-1, NUM_MASK_TOKENS)
+
+
+def tie_gaps(vae, crops, mine, theirs) -> tuple:
+    """(gap, slack) where codes `mine` and `theirs` [n, 16] of masks `crops`
+    differ: how much nearer the encoder's vector `mine` lies (in float64), and
+    the most float32's rounding of the encoder's sums may move that"""
+    with torch.no_grad():
+        z = vae.encoder(2 * crops[:, None].float() - 1)  # [n, 512, 4, 4]
+    z = z.permute(0, 2, 3, 1).reshape(len(crops), NUM_MASK_TOKENS, -1)
+    e = vae._vq_vae._embedding.double()
+    apart = mine != theirs
+    za, ea, eb = z[apart].double(), e[mine[apart]], e[theirs[apart]]
+    gap = ((za - ea) ** 2).sum(-1) - ((za - eb) ** 2).sum(-1)
+    # float32's unit roundoff times the terms summed into z over the layers
+    # (4 x 4 x in-channels, ...), at the scale of |z|. The worst case, at
+    # the scale of sum |w||x|, would pass every code here; the tests check
+    # that this one refuses nearly every second-nearest code
+    terms = sum(m.weight[0].numel() for m in vae.encoder.modules()
+                if isinstance(m, torch.nn.Conv2d))  # fmt: skip
+    slack = 2 * terms * 2.0**-24 * za.norm(dim=-1) * (ea - eb).norm(dim=-1)
+    return gap, slack
+
+
+def near_ties(vae, crops, mine, theirs) -> bool:
+    "Whether codes `mine` and `theirs` differ only within float32's rounding"
+    gap, slack = tie_gaps(vae, crops, mine, theirs)
+    return bool((gap.abs() <= slack).all())

@@ -501,3 +501,42 @@ def test_ingest_puts_the_resolution_part_where_the_speed_page_reads_it(
     assert copied.read_text() == '{"rows": {}}'  # from the call that ran the part
     assert speed_page.gpu_resolutions(copied.parent) == [copied]
     assert pages  # the speed page is made again
+
+
+def test_the_profile_checks_the_codes_written_on_the_device(monkeypatch):
+    "The segment recipe's codes from `finish` against the world's, and a wrong one seen"
+    import gpu_profile
+    import torch
+
+    from paligemma_lib import PaliGemmaProcessor
+    from paligemma_lib.batching import StepBatches, training_data
+    from paligemma_lib.data import Collator, SyntheticDataset
+    from paligemma_lib.segment_batches import SegmentCollator
+    from paligemma_lib.train import TrainConfig
+
+    processor = PaliGemmaProcessor.from_pretrained("nano")
+    data = SyntheticDataset({"segments": 0.5, "shapes": 0.5}, "train", size=64)
+    plain = Collator(processor, pixels="uint8")
+    batches = StepBatches(*training_data(data, plain), TrainConfig(batch_size=4))
+    codes = gpu_profile.device_codes(batches, torch.device("cpu"), n=6)
+    assert codes["examples"] == 6 and codes["codes"] >= 6 * 16
+    assert codes["all near ties"] and codes["differing"] <= codes["codes"] // 10
+    assert (
+        gpu_profile.device_codes(StepBatches(data, plain, TrainConfig()), "cpu") == {}
+    )
+    finish = SegmentCollator.finish
+
+    def shifted(self, micro_batches, device):  # every code one along
+        done = finish(self, micro_batches, device)
+        for batch in done:
+            at = torch.isin(batch.input_ids, self.seg_ids())
+            ids = self.seg_ids()
+            position = {int(t): c for c, t in enumerate(ids)}
+            batch.input_ids[at] = ids[
+                [(position[int(t)] + 1) % 128 for t in batch.input_ids[at]]
+            ]
+        return done
+
+    monkeypatch.setattr(SegmentCollator, "finish", shifted)
+    wrong = gpu_profile.device_codes(batches, torch.device("cpu"), n=6)
+    assert wrong["differing"] == wrong["codes"] and not wrong["all near ties"]

@@ -7,7 +7,6 @@ from unittest import mock
 
 import pytest
 import torch
-from torch import nn
 
 import paligemma_lib.segment_batches as segment_batches
 import paligemma_lib.segmentation as seg
@@ -15,6 +14,7 @@ from paligemma_lib import PaliGemmaProcessor
 from paligemma_lib.batching import StepBatches, step_batches, training_data
 from paligemma_lib.data import Collator, SyntheticDataset
 from paligemma_lib.processing import PaliGemmaBatch
+from paligemma_lib.segment_batches import codes_at, near_ties, tie_gaps
 from paligemma_lib.train import TrainConfig
 from paligemma_lib.training_run import TrainingRun, run_training
 
@@ -22,29 +22,6 @@ from paligemma_lib.training_run import TrainingRun, run_training
 @pytest.fixture(scope="module")
 def processor():
     return PaliGemmaProcessor.from_pretrained("nano")
-
-
-def near_ties(vae, crops, mine, theirs) -> bool:
-    """Whether codes `mine` and `theirs` [n, 16] differ only where both codes lie
-    equally near the encoder's vector, to float32's rounding of the encoder's sums
-    (unit roundoff times the terms summed into an output, over the layers)"""
-    with torch.no_grad():
-        z = vae.encoder(2 * crops[:, None] - 1)
-    z = z.permute(0, 2, 3, 1).reshape(len(crops), 16, -1).double()
-    e = vae._vq_vae._embedding.double()
-    apart = mine != theirs
-    za, ea, eb = z[apart], e[mine[apart]], e[theirs[apart]]
-    gap = ((za - ea) ** 2).sum(-1) - ((za - eb) ** 2).sum(-1)
-    convs = [m for m in vae.encoder.modules() if isinstance(m, nn.Conv2d)]
-    terms = sum(m.weight[0].numel() for m in convs)
-    slack = 2 * terms * 2.0**-24 * za.norm(dim=-1) * (ea - eb).norm(dim=-1)
-    return bool((gap.abs() <= slack).all())
-
-
-def codes_at(batch, collate, places) -> torch.Tensor:
-    "The codes of a batch's <seg> places, 16 a mask: [n, 16]"
-    code_of = {int(t): c for c, t in enumerate(collate.seg_ids())}
-    return torch.tensor([code_of[int(t)] for t in batch.input_ids[places]]).view(-1, 16)
 
 
 def both_ways(processor, worlds, n, start=0):
@@ -164,17 +141,94 @@ def test_a_pending_batch_with_too_few_places_is_refused(processor):
     extra = segment_batches.PendingAnswer(
         answer.text, torch.cat([answer.crops, answer.crops])
     )
-    with pytest.raises(RuntimeError, match="<seg> places for"):
+    with pytest.raises(ValueError, match="masks need 16 each"):
         collate([(image, prompt, extra)])
 
 
-def test_the_data_rate_benchmark_builds_each_way_as_train_would():
+def test_a_pending_batch_is_not_trained_on_unfinished(processor):
+    data = SyntheticDataset("segments", "train", size=2)
+    deferred, collate = training_data(data, Collator(processor, pixels="uint8"))
+    pending = collate([deferred[i] for i in range(2)])
+    with pytest.raises(TypeError, match="collate.finish"):
+        pending.to("cpu")
+
+
+def test_two_worlds_with_their_own_batches_are_refused(monkeypatch, processor):
+    "training_data makes one world's batches, and refuses a mix of two such worlds"
+    from paligemma_lib import batching
+
+    monkeypatch.setitem(batching.TRAINING_BATCHES, "shapes", lambda d, c: (d, "own"))
+    plain = Collator(processor, pixels="uint8")
+    shapes = SyntheticDataset({"shapes": 0.5, "ocr": 0.5}, "train", size=4)
+    assert training_data(shapes, plain) == (shapes, "own")
+    both = SyntheticDataset({"shapes": 0.5, "segments": 0.5}, "train", size=4)
+    with pytest.raises(ValueError, match="separate runs"):
+        training_data(both, plain)
+
+
+def test_finish_encodes_in_float32_and_puts_the_settings_back(monkeypatch, processor):
+    "No autocast and no TF32 inside finish, whatever the caller set; theirs after"
+    data = SyntheticDataset("segments", "train", size=2)
+    deferred, collate = training_data(data, Collator(processor, pixels="uint8"))
+    pending = collate([deferred[i] for i in range(2)])
+    inside = []
+    encode = seg.MaskVAE.encode
+
+    def spy(vae, masks):
+        inside.append((torch.is_autocast_enabled("cpu"),
+                       torch.get_float32_matmul_precision(),
+                       torch.backends.cudnn.allow_tf32))  # fmt: skip
+        return encode(vae, masks)
+
+    monkeypatch.setattr(seg.MaskVAE, "encode", spy)
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high")
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            collate.finish([pending], "cpu")
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+    assert inside == [(False, "highest", False)]
+    assert torch.backends.cudnn.allow_tf32 == before[1]
+
+
+def test_near_ties_refuses_nearly_every_second_nearest_code(processor):
+    """The allowance discriminates: of every code replaced by the code next nearest
+    the encoder's vector, under 5% pass as a tie (a worst-case bound, at the scale of
+    sum |w||x|, would pass them all)"""
+    vae = seg._answer_vae()
+    _, crops, _, _ = both_ways(processor, "segments", 16)
+    with torch.no_grad():
+        z = vae.encoder(2 * crops[:, None] - 1).double()
+    z = z.permute(0, 2, 3, 1).reshape(len(crops), 16, -1)
+    e = vae._vq_vae._embedding.double()
+    two = torch.cdist(z, e[None].expand(len(crops), -1, -1)).topk(2, largest=False)
+    first, second = two.indices.unbind(-1)
+    gap, slack = tie_gaps(vae, crops, first, second)
+    assert len(gap) == first.numel() and (gap < 0).all()  # `first` is nearer
+    assert (gap.abs() <= slack).double().mean() < 0.05
+    assert near_ties(vae, crops, first, first)  # no code differs
+    # the worst case: each layer's rounding at the scale of sum |w||x|, which the
+    # encoder run on |weights| and |input| bounds (its ReLUs then pass everything)
+    convs = [m for m in vae.encoder.modules() if isinstance(m, torch.nn.Conv2d)]
+    roundings = sum(m.weight[0].numel() + 1 for m in convs) * 2.0**-24
+    absolute = {n: p.detach().double().abs() for n, p in vae.encoder.named_parameters()}
+    x = (2 * crops[:, None] - 1).double().abs()
+    with torch.no_grad():
+        scale = torch.func.functional_call(vae.encoder.double(), absolute, (x,))
+    vae.encoder.float()
+    scale = scale.permute(0, 2, 3, 1).reshape(len(crops), 16, -1)
+    worst = 2 * roundings * (scale * (e[first] - e[second]).abs()).sum(-1)
+    assert (gap.abs() <= worst.flatten()).all()
+
+
+def test_the_data_rate_benchmark_builds_each_way_as_train_would(monkeypatch):
     "benchmarks/data_rate.py: the segment recipe both ways, the others as they are"
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "benchmarks"))
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
     import data_rate
 
     built = data_rate.ways(2)

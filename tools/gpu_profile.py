@@ -16,6 +16,9 @@ builds them (the train command's own parser reads the recipe's flags):
   world's codes written on the device first), with no data to wait for;
 - loop: both together, as `train` runs them.
 
+For the segment recipe it first checks chapter 12.1's claim on the device itself: the
+codes `finish` writes there, against the world's own answers, differ only in near ties.
+
 The slower of data and step bounds the loop. `torch.profiler` over a few steps then
 splits a step: the device's time by kernel (the heaviest ones), and how much of the
 step's wall time the device was busy at all. Step, loop and profile are measured twice:
@@ -115,6 +118,32 @@ def finished(batches, micro_batches: list, device) -> list:
     from paligemma_lib.batching import finished as done_on_device
 
     return done_on_device(batches.collate, micro_batches, device)
+
+
+def device_codes(batches, device, n: int = 32) -> dict:
+    """The segments world's codes as `finish` writes them on `device`, against
+    the world's own answers (in a worker's float32), over `n` of its examples:
+    how many differ, and whether every one that does is a near tie (chapter
+    12.1's `near_ties`); {} for a recipe that writes no codes on the device"""
+    from paligemma_lib.data import Collator
+    from paligemma_lib.segment_batches import DeferredSegments, codes_at, near_ties
+    from paligemma_lib.segmentation import _answer_vae
+
+    deferred, collate = batches.dataset, batches.collate
+    if not isinstance(deferred, DeferredSegments):
+        return {}
+    world = deferred.data
+    chosen = [i for i in range(4 * n) if world.world(i) == "segments"][:n]
+    plain = Collator(collate.processor, collate.max_length, collate.pixels)
+    written = plain([world[i] for i in chosen])
+    pending = collate([deferred[i] for i in chosen])
+    crops = pending.crops.clone()
+    done = collate.finish([pending], device)[0]
+    places = torch.isin(written.input_ids, collate.seg_ids())
+    mine, theirs = codes_at(done, collate, places), codes_at(written, collate, places)
+    return {"examples": len(chosen), "codes": mine.numel(),
+            "differing": int((mine != theirs).sum()),
+            "all near ties": near_ties(_answer_vae(), crops, mine, theirs)}  # fmt: skip
 
 
 def sync(device) -> None:
@@ -246,6 +275,12 @@ def profile_recipe(flags, device, workers: int, steps: int, warm: int, batch=Non
     data = data_rate(parts[1], workers, steps, warm)
     result = {"flags": flags, "batch size": size, "workers": workers,
               "steps timed": steps, "data examples/s": round(data, 1)}  # fmt: skip
+    try:  # the codes written on the device are the world's (12.1's claim)
+        codes = device_codes(parts[1], device)
+    except Exception as error:
+        codes = {"error": f"{type(error).__name__}: {error}"[:600]}
+    if codes:
+        result["codes on the device"] = codes
     save(result)
     for name in ("eager", "compiled"):
         if name == "compiled":  # train --compile's step

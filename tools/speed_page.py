@@ -541,7 +541,7 @@ def recipe_data() -> str:
              f"{r[ratio]:.2f}" if ratio in r else ""]
             for name, r in run["rows"].items()]  # fmt: skip
     gpu = gpu_recipe_runs()
-    machine = f"2-core CPU, one thread, PyTorch {run['torch']}"
+    machine = f"{run['device']}, PyTorch {run['torch']}"
     old, new = (run["rows"][f"segment, {way}"]["examples/s"]
                 for way in ("the world's answers", "codes on the device"))  # fmt: skip
     assert new > 2 * old, (old, new)  # what the prose says
@@ -560,11 +560,12 @@ def recipe_data() -> str:
             "ways alternate within a run, so their ratio is the figure to read. "
             "`finish`, the loop's share, "
             f"took {run['finish ms a step, this CPU']} ms a step on this CPU, the "
-            "encoder over a batch's masks; on a GPU it is a few kernels.",
+            "encoder over a batch's masks; on a GPU, the profile part's step "
+            "includes it (A.4).",
             table(["recipe", "batch", "examples/s", "x"], rows),
             "The GPU runs, as their records give them, and each run's examples a "
             "second for each of its workers (the segment parts ran up to two recipes "
-            "side by side, 7 workers each, on 16 cores; they drew the world's answers, "
+            "side by side; they drew the world's answers, "
             "before 12.1's painting and its codes on the device):",
             table(["call (UTC)", "run", "workers", "examples/s", "a worker"], gpu),
             source(found[-1].name, machine, run["command"].strip()),
