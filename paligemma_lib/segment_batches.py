@@ -133,20 +133,25 @@ def finish(self, micro_batches: list, device) -> list:
     ]  # fmt: skip
 
 # %% ../book/12b_segmentation.ipynb #fb05a
+_FP32 = torch.backends  # the settings that may let float32 products round
+_FP32_LEAVES = (_FP32.cuda.matmul, _FP32.cudnn.conv, _FP32.mkldnn.matmul,
+                _FP32.mkldnn.conv)  # fmt: skip
+
+
 @contextlib.contextmanager
 def _float32(device: torch.device):
-    """float32 arithmetic on `device`, as in a worker: no autocast, and no
-    TF32 in the products or the convolutions (a GPU's), each put back after"""
-    precision = torch.get_float32_matmul_precision()
-    tf32 = torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False
+    """float32 arithmetic on `device`, as in a worker: no autocast, and IEEE
+    float32 in the products and convolutions (no TF32 on a GPU, no bf16 in
+    oneDNN), each setting put back after (PyTorch's fp32_precision API)"""
+    saved = [leaf.fp32_precision for leaf in _FP32_LEAVES]
+    for leaf in _FP32_LEAVES:
+        leaf.fp32_precision = "ieee"
     try:
         with torch.autocast(device.type, enabled=False):
             yield
     finally:
-        torch.set_float32_matmul_precision(precision)
-        torch.backends.cudnn.allow_tf32 = tf32
+        for leaf, value in zip(_FP32_LEAVES, saved):
+            leaf.fp32_precision = value
 
 # %% ../book/12b_segmentation.ipynb #fb05b
 @patch_to(SegmentCollator)

@@ -166,31 +166,46 @@ def test_two_worlds_with_their_own_batches_are_refused(monkeypatch, processor):
         training_data(both, plain)
 
 
-def test_finish_encodes_in_float32_and_puts_the_settings_back(monkeypatch, processor):
-    "No autocast and no TF32 inside finish, whatever the caller set; theirs after"
+@pytest.mark.parametrize("api", ["legacy", "fp32_precision"])
+def test_finish_encodes_in_float32_and_puts_the_settings_back(
+    monkeypatch, processor, api
+):
+    """No autocast and IEEE float32 inside finish, whichever of PyTorch's two APIs
+    turned TF32 on (mixing them raises in PyTorch's legacy getters); theirs after"""
     data = SyntheticDataset("segments", "train", size=2)
     deferred, collate = training_data(data, Collator(processor, pixels="uint8"))
     pending = collate([deferred[i] for i in range(2)])
-    inside = []
-    encode = seg.MaskVAE.encode
+    leaves = segment_batches._FP32_LEAVES
+    inside, encode = [], seg.MaskVAE.encode
 
     def spy(vae, masks):
         inside.append((torch.is_autocast_enabled("cpu"),
-                       torch.get_float32_matmul_precision(),
-                       torch.backends.cudnn.allow_tf32))  # fmt: skip
+                       {leaf.fp32_precision for leaf in leaves}))  # fmt: skip
         return encode(vae, masks)
 
     monkeypatch.setattr(seg.MaskVAE, "encode", spy)
-    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("high")
+    before = (
+        torch.get_float32_matmul_precision(),
+        [leaf.fp32_precision for leaf in leaves],
+    )
     try:
+        if api == "legacy":
+            torch.set_float32_matmul_precision("high")
+            torch.backends.cudnn.allow_tf32 = True
+        else:
+            for leaf in leaves:
+                leaf.fp32_precision = "tf32"
+        turned_on = [leaf.fp32_precision for leaf in leaves]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             collate.finish([pending], "cpu")
-        assert torch.get_float32_matmul_precision() == "high"
-    finally:
+        assert [leaf.fp32_precision for leaf in leaves] == turned_on
+        if api == "legacy":  # the legacy getters still answer, as before
+            assert torch.get_float32_matmul_precision() == "high"
+    finally:  # the process as it was, for the tests after this one
         torch.set_float32_matmul_precision(before[0])
-    assert inside == [(False, "highest", False)]
-    assert torch.backends.cudnn.allow_tf32 == before[1]
+        for leaf, value in zip(leaves, before[1]):
+            leaf.fp32_precision = value
+    assert inside == [(False, {"ieee"})]
 
 
 def test_near_ties_refuses_nearly_every_second_nearest_code(processor):
