@@ -188,8 +188,8 @@ def codes_at(batch, collate: SegmentCollator, places) -> torch.Tensor:
 
 def tie_gaps(vae, crops, mine, theirs) -> tuple:
     """(gap, slack) where codes `mine` and `theirs` [n, 16] of masks `crops`
-    differ: how much nearer the encoder's vector `mine` lies (in float64), and
-    the most float32's rounding of the encoder's sums may move that"""
+    differ: the squared distance from the encoder's vector to `mine` less that
+    to `theirs` (float64), and how far float32's rounding may move it"""
     with torch.no_grad():
         z = vae.encoder(2 * crops[:, None].float() - 1)  # [n, 512, 4, 4]
     z = z.permute(0, 2, 3, 1).reshape(len(crops), NUM_MASK_TOKENS, -1)
