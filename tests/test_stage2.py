@@ -247,7 +247,7 @@ def ledger(tmp_path) -> Path:
     return path
 
 
-def returned(tmp_path: Path, control=True) -> dict:
+def returned(tmp_path: Path, control=True, device="cuda: NVIDIA H200") -> dict:
     "The models a run sent back: folders with a training record"
     models = {}
     for name in ("448", "224") if control else ("448",):
@@ -255,7 +255,7 @@ def returned(tmp_path: Path, control=True) -> dict:
         folder.mkdir(parents=True)
         (folder / "training_record.json").write_text(json.dumps(
             {"steps": 2, "seconds": 1, "train_config": {"batch_size": 2, "lr": 5e-4},
-             "worlds": {"detail": 0.5}, "device": "cpu"}))  # fmt: skip
+             "worlds": {"detail": 0.5}, "device": device}))  # fmt: skip
         models[name] = folder
     return models
 
@@ -458,3 +458,52 @@ def test_the_ingest_grades_what_the_part_sent_back(rehearsed, tmp_path, ledger,
         json.loads(ledger.read_text())["test ranges spent"]
         == json.loads(before)["test ranges spent"]
     )
+
+
+# --- a stage 2 trained here, without a GPU (tools/stage2_local.py) ---
+import stage2_local  # noqa: E402
+
+
+def test_a_run_trained_here_is_decided_by_the_same_rules_once(tmp_path, ledger):
+    models = returned(tmp_path, control=False, device="cpu: x86_64, 2 cores")
+    out = models["448"].parent  # the run's folder, OUT/448 in it
+    (out / "448" / "model.safetensors").write_bytes(b"weights")
+    before = ship_rules.read_ledger(ledger)["test ranges spent"]
+    calls, shipped = [], []
+    rows = {"nano@224": NANO, "nano@448": NANO, "448": planted(wrong(0, 2))}
+    places = dict(grade=fake_grader(calls, rows), ship=shipped.append,
+                  ledger=ledger, records=tmp_path / "records",
+                  shipped=tmp_path / "none")  # fmt: skip
+    record = stage2_local.ingest(out, **places)
+    stamp = stage2_local.stamp_of(out / "448")
+    assert record["ships"] is True and shipped == [out / "448"]
+    assert record["trained"]["device"].startswith("cpu")
+    assert (tmp_path / "records" / f"stage2-cpu-validation-{stamp}.json").exists()
+    assert record["test record"] == f"stage2-after-cpu-{stamp}.json"
+    spent = ship_rules.read_ledger(ledger)["test ranges spent"][len(before) :]
+    assert spent and {e["by"] for e in spent} == {
+        f"tools/stage2_local.py ingest {out}"}  # fmt: skip
+    with pytest.raises(ValueError, match="decided once"):
+        stage2_local.ingest(out, **places)  # the same run again
+
+
+def test_a_stopped_local_run_resumes_from_its_checkpoints(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(stage2_local.gpu_stage2, "resampled_start", ran.append)
+    done = type("Done", (), {"returncode": 0})
+
+    def run(command, check):
+        ran.append(command)
+        return done
+
+    monkeypatch.setattr(stage2_local.subprocess, "run", run)
+    stage2_local.train(tmp_path, 10, 4, 1e-4, 1)
+    assert ran[0] == tmp_path / "start-448" and "--resume" not in ran[1]
+    command = ran[1]
+    assert command[command.index("--model") + 1] == str(tmp_path / "start-448")
+    assert command[command.index("--worlds") + 1] == gpu_stage2.WORLDS
+    (tmp_path / "start-448").mkdir()
+    (tmp_path / "start-448" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "448" / "checkpoints").mkdir(parents=True)
+    stage2_local.train(tmp_path, 10, 4, 1e-4, 1)
+    assert len(ran) == 3 and ran[2][-1] == "--resume"  # not resampled again

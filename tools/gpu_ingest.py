@@ -161,7 +161,7 @@ STAGE2_NAME = "nano-448"
 def ship_stage2(
     models: dict, stamp: str, *, grade=None, ship=None, ledger=ship_rules.LEDGER,
     records=ROOT / "paligemma_lib" / "assets" / "stage2", shipped=None,
-    test_start=None,
+    test_start=None, by=BY,
 ) -> dict:  # fmt: skip
     """The models a stage-2 run sent back ({'448': folder, '224': folder}) graded
     on the same validation examples beside nano at 224 and nano resampled to 448
@@ -170,7 +170,9 @@ def ship_stage2(
     goals (ship_rules.stage2_decision); then it and nano at 224 are graded once
     on test examples from the ledger's first fresh index (or `test_start`),
     spent in the ledger before the grade. `grade(source, size, split, start,
-    sizes)` is tools/gpu_stage2.py's"""
+    sizes)` is tools/gpu_stage2.py's; `by`, the command the ledger names (a
+    run trained here: tools/stage2_local.py's). The records are named by where
+    the 448 model trained: stage2-gpu-validation-STAMP.json, or -cpu-"""
     if grade is None:
         from gpu_stage2 import grade
     if ship is None:
@@ -214,7 +216,8 @@ def ship_stage2(
         "model_sha256": {k: g["model_sha256"] for k, g in graded.items()},
     } | decision  # fmt: skip
     records.mkdir(parents=True, exist_ok=True)
-    name = f"stage2-gpu-validation-{stamp}.json"
+    where = "gpu" if run["device"].startswith("cuda") else run["device"].split(":")[0]
+    name = f"stage2-{where}-validation-{stamp}.json"
     (records / name).write_text(json.dumps(record, indent=1) + "\n")
     note(ledger, record, f"paligemma_lib/assets/stage2/{name}")
     if not record["ships"]:
@@ -231,13 +234,13 @@ def ship_stage2(
                 f"before; grade from {ship_rules.fresh_start(spent, sizes)} on"
             )
     for world, n in sizes.items():
-        ship_rules.spend(ledger, world, first, n, BY, why)
+        ship_rules.spend(ledger, world, first, n, by, why)
     # graded where it was unpacked: the package changes only once all of it is done
     test = {
         "nano-448 at 448": grade(models["448"], 448, "test", first, sizes),
         "nano at 224": grade("nano", 224, "test", first, sizes),
     }
-    out = records / f"stage2-after-gpu-{stamp}.json"
+    out = records / f"stage2-after-{where}-{stamp}.json"
     out.write_text(json.dumps({"decided": name, "graded": test}, indent=1) + "\n")
     print(ship(models["448"]))
     print(f"graded on test from index {first}: {out}")
