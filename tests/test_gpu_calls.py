@@ -168,3 +168,14 @@ def test_a_failed_part_is_a_row_that_says_why(tmp_path):
         "RuntimeError: boom."
     )
     assert "- " + rows[0]["details"] in gpu_calls.table(rows)
+
+
+def test_a_try_trained_on_a_cpu_is_no_gpu_call():
+    "tools/stage2_local.py's tries are stamped to the minute too, but spent no GPU"
+    where = "paligemma_lib/assets/stage2/stage2-{}-validation-{}.json"
+    cpu = {"model": "nano-448", "try": "20261128-2229", "ships": False,
+           "records": [where.format("cpu", "20261128-2229")]}  # fmt: skip
+    gpu = cpu | {"try": "20261129-0800",
+                 "records": [where.format("gpu", "20261129-0800")]}  # fmt: skip
+    found = gpu_calls.decisions({"ship decisions": [cpu, gpu]})
+    assert list(found) == [("nano-448", "202611290800")]

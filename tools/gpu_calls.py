@@ -54,12 +54,18 @@ def calls(results: Path = RESULTS) -> list[tuple[str, dict]]:
     return [(name, r) for name, r in records if not r.get("rehearsal")]
 
 
+def trained_here(entry: dict) -> bool:
+    "A try trained on a CPU (tools/stage2_local.py): its records are named -cpu-"
+    return any("-cpu-" in Path(r).name for r in entry.get("records", []))
+
+
 def decisions(ledger: dict) -> dict[tuple[str, str], dict]:
     "(model, minute of its try) -> the ship decision, for the GPU tries"
     found = {}
     for entry in ledger["ship decisions"]:
         when = minute(entry["try"])
-        if len(when) == 12:  # a try stamped to the minute: a GPU call's part
+        # a try stamped to the minute is a GPU call's part, unless it trained here
+        if len(when) == 12 and not trained_here(entry):
             found[entry["model"], when] = entry
     return found
 
