@@ -487,16 +487,35 @@ def test_a_run_trained_here_is_decided_by_the_same_rules_once(tmp_path, ledger):
         stage2_local.ingest(out, **places)  # the same run again
 
 
+class Trainer:
+    "A stand-in for the trainer's process: runs until it ends or is stopped"
+
+    def __init__(self, command=None, ends_after=None, code=0):
+        self.command, self.polls, self.ends_after = command, 0, ends_after
+        self.code, self.returncode = code, None
+
+    def poll(self):
+        self.polls += 1
+        if self.ends_after is not None and self.polls > self.ends_after:
+            self.returncode = self.code
+        return self.returncode
+
+    def terminate(self):
+        self.returncode = -15
+
+    def wait(self):
+        return 0 if self.returncode is None else self.returncode
+
+
 def test_a_stopped_local_run_resumes_from_its_checkpoints(tmp_path, monkeypatch):
     ran = []
     monkeypatch.setattr(stage2_local.gpu_stage2, "resampled_start", ran.append)
-    done = type("Done", (), {"returncode": 0})
 
-    def run(command, check):
+    def popen(command):
         ran.append(command)
-        return done
+        return Trainer(command)
 
-    monkeypatch.setattr(stage2_local.subprocess, "run", run)
+    monkeypatch.setattr(stage2_local.subprocess, "Popen", popen)
     stage2_local.train(tmp_path, 10, 4, 1e-4, 1)
     assert ran[0] == tmp_path / "start-448" and "--resume" not in ran[1]
     command = ran[1]
@@ -507,3 +526,53 @@ def test_a_stopped_local_run_resumes_from_its_checkpoints(tmp_path, monkeypatch)
     (tmp_path / "448" / "checkpoints").mkdir(parents=True)
     stage2_local.train(tmp_path, 10, 4, 1e-4, 1)
     assert len(ran) == 3 and ran[2][-1] == "--resume"  # not resampled again
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    "time as stage2_local sees it: each poll's sleep moves it on"
+    now = [0.0]
+    monkeypatch.setattr(stage2_local.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(
+        stage2_local.time, "sleep", lambda s: now.__setitem__(0, now[0] + s)
+    )
+    return now
+
+
+def checkpoints_written(schedule, clock):
+    "latest_checkpoint, with checkpoint `step` written at `schedule`'s times"
+    import paligemma_lib.resume as resume
+
+    real = resume.latest_checkpoint
+
+    def latest(out):
+        for when, step in schedule.items():
+            if clock[0] >= when:
+                folder = Path(out) / "checkpoints" / f"step-{step:07d}"
+                folder.mkdir(parents=True, exist_ok=True)
+        return real(out)
+
+    return latest
+
+
+def test_past_its_minutes_a_run_stops_at_its_next_checkpoint(
+    tmp_path, monkeypatch, clock
+):
+    import paligemma_lib.resume as resume
+
+    # step 100 is written before the deadline (60 s), step 150 after it
+    latest = checkpoints_written({0: 50, 30: 100, 90: 150}, clock)
+    monkeypatch.setattr(resume, "latest_checkpoint", latest)
+    trainer = Trainer()
+    assert stage2_local.stop_after(trainer, tmp_path, deadline=60, poll=10) == 0
+    assert trainer.returncode == -15 and 90 <= clock[0] < 100
+    # not stopped at step 100, written before the time was up
+    assert latest(tmp_path).name == "step-0000150"
+
+
+def test_a_run_that_ends_first_gives_its_own_exit_code(tmp_path, clock):
+    trainer = Trainer(ends_after=3)
+    assert stage2_local.stop_after(trainer, tmp_path, deadline=600, poll=10) == 0
+    assert clock[0] == 30  # waited for it, stopped nothing
+    failed = Trainer(ends_after=1, code=2)  # a trainer that fails
+    assert stage2_local.stop_after(failed, tmp_path, deadline=0, poll=10) == 2

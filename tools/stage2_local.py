@@ -8,7 +8,9 @@ on by the same rules as a GPU run's (tools/gpu_ingest.py's `ship_stage2`).
 `train` resamples the shipped nano's positions to 448 (tools/gpu_stage2.py's
 `resampled_start`, into OUT/start-448) and trains it at 448 on the GPU part's mix
 of worlds (gpu_stage2.WORLDS), into OUT/448, saving a checkpoint every 50 steps:
-the same command again resumes a run that was stopped, bit for bit. There is no
+the same command again resumes a run that was stopped, bit for bit. With
+`--minutes M` it stops itself at the first checkpoint written after M minutes, so
+a run longer than a session goes on across sessions and loses no steps. There is no
 control at 224 (the GPU part trains one when its budget holds both).
 
 `ingest` grades OUT/448 on the fixed validation examples beside nano at 224 and
@@ -20,6 +22,7 @@ is named by the time its model was written, so the same run is decided once.
 import argparse
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -29,8 +32,12 @@ import gpu_stage2
 SAVE_EVERY = 50  # steps: a stopped run loses at most this many
 
 
-def train(out: Path, steps: int, batch_size: int, lr: float, workers: int) -> int:
-    "Resample (once), then train at 448, or go on from the run's last checkpoint"
+def train(
+    out: Path, steps: int, batch_size: int, lr: float, workers: int,
+    minutes: float | None = None,
+) -> int:  # fmt: skip
+    """Resample (once), then train at 448, or go on from the run's last
+    checkpoint; with `minutes`, stop at the first checkpoint after them"""
     start = out / "start-448"
     if not (start / "model.safetensors").exists():
         gpu_stage2.resampled_start(start)
@@ -43,7 +50,31 @@ def train(out: Path, steps: int, batch_size: int, lr: float, workers: int) -> in
     ]  # fmt: skip
     if (run / "checkpoints").is_dir():
         command.append("--resume")
-    return subprocess.run(command, check=False).returncode
+    child = subprocess.Popen(command)
+    if minutes is None:
+        return child.wait()
+    return stop_after(child, run, time.monotonic() + 60 * minutes)
+
+
+def stop_after(child, run: Path, deadline: float, poll: float = 10.0) -> int:
+    """Wait for the trainer `child`; once `deadline` (time.monotonic) has passed,
+    stop it as soon as it writes a checkpoint. 0 when stopped so: the same
+    command goes on from that checkpoint"""
+    from paligemma_lib.resume import latest_checkpoint
+
+    before = latest_checkpoint(run)
+    while child.poll() is None:
+        time.sleep(poll)
+        latest = latest_checkpoint(run)
+        if time.monotonic() < deadline:
+            before = latest
+        elif latest != before:
+            child.terminate()
+            child.wait()
+            print(f"stopped at {latest.name}, the first checkpoint after the "
+                  "time given: the same command goes on from it")  # fmt: skip
+            return 0
+    return child.returncode
 
 
 def stamp_of(run: Path) -> str:
@@ -70,9 +101,17 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument(
+        "--minutes", type=float,
+        help="train: stop at the first checkpoint written after this long "
+        "(the same command goes on from it)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.what == "train":
-        return train(args.out, args.steps, args.batch_size, args.lr, args.workers)
+        return train(
+            args.out, args.steps, args.batch_size, args.lr, args.workers,
+            args.minutes,
+        )  # fmt: skip
     record = ingest(args.out)
     print(f"ships: {record['ships']}")
     return 0
