@@ -247,15 +247,18 @@ def ledger(tmp_path) -> Path:
     return path
 
 
-def returned(tmp_path: Path, control=True, device="cuda: NVIDIA H200") -> dict:
+def returned(tmp_path: Path, control=True, device="cuda: NVIDIA H200",
+             segments=((0, 2),)) -> dict:  # fmt: skip
     "The models a run sent back: folders with a training record"
     models = {}
     for name in ("448", "224") if control else ("448",):
         folder = tmp_path / "back" / name
         folder.mkdir(parents=True)
+        starts = [{"steps": list(s), "processes": 1} for s in segments]
         (folder / "training_record.json").write_text(json.dumps(
             {"steps": 2, "seconds": 1, "train_config": {"batch_size": 2, "lr": 5e-4},
-             "worlds": {"detail": 0.5}, "device": device}))  # fmt: skip
+             "worlds": {"detail": 0.5}, "device": device,
+             "segments": starts}))  # fmt: skip
         models[name] = folder
     return models
 
@@ -292,6 +295,7 @@ def test_nano_448_is_chosen_on_validation_and_graded_once_after(tmp_path, ledger
     before = ship_rules.read_ledger(ledger)
     record, calls, shipped, records = ingest(tmp_path, ledger, planted(wrong(0, 2)))
     assert record["ships"] is True and len(shipped) == 1
+    assert (record["trained"]["starts"], record["trained"]["seconds"]) == (1, 1)
     *choice, test_new, test_nano = calls
     assert {c[2:] for c in choice} == {("validation", 0)}  # the same examples
     assert {c[:2] for c in choice} == {("nano@224", 224), ("nano@448", 448),
@@ -465,7 +469,8 @@ import stage2_local  # noqa: E402
 
 
 def test_a_run_trained_here_is_decided_by_the_same_rules_once(tmp_path, ledger):
-    models = returned(tmp_path, control=False, device="cpu: x86_64, 2 cores")
+    models = returned(tmp_path, control=False, device="cpu: x86_64, 2 cores",
+                      segments=[(0, 1), (1, 2)])  # stopped once, resumed  # fmt: skip
     out = models["448"].parent  # the run's folder, OUT/448 in it
     (out / "448" / "model.safetensors").write_bytes(b"weights")
     before = ship_rules.read_ledger(ledger)["test ranges spent"]
@@ -478,6 +483,9 @@ def test_a_run_trained_here_is_decided_by_the_same_rules_once(tmp_path, ledger):
     stamp = stage2_local.stamp_of(out / "448")
     assert record["ships"] is True and shipped == [out / "448"]
     assert record["trained"]["device"].startswith("cpu")
+    # its record timed the resume only: no seconds are claimed for the whole run
+    assert record["trained"]["starts"] == 2 and record["trained"]["seconds"] is None
+    assert record["trained"]["last start"] == {"steps": [1, 2], "seconds": 1}
     assert (tmp_path / "records" / f"stage2-cpu-validation-{stamp}.json").exists()
     assert record["test record"] == f"stage2-after-cpu-{stamp}.json"
     spent = ship_rules.read_ledger(ledger)["test ranges spent"][len(before) :]

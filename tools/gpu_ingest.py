@@ -203,11 +203,17 @@ def ship_stage2(
         graded["shipped nano-448"]["rows"] if before else None,
     )  # fmt: skip
     run = json.loads((models["448"] / "training_record.json").read_text())
+    starts = run["segments"]  # the start and each resume: the steps each ran
     record = {
         "model": STAGE2_NAME, "try": stamp,
         "decided on": f"{split} from index 0: "
         + ", ".join(f"{n} a task of {w}" for w, n in sizes.items()),
-        "trained": {"steps": run["steps"], "seconds": run["seconds"],
+        # a training record times its last start only: the whole run's seconds
+        # are known when one start ran every step
+        "trained": {"steps": run["steps"], "starts": len(starts),
+                    "seconds": run["seconds"] if len(starts) == 1 else None,
+                    "last start": {"steps": starts[-1]["steps"],
+                                   "seconds": run["seconds"]},
                     "batch_size": run["train_config"]["batch_size"],
                     "lr": run["train_config"]["lr"], "worlds": run["worlds"],
                     "device": run["device"],
