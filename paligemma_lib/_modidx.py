@@ -311,6 +311,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                       'paligemma_lib/gemma.py'),
                                      'paligemma_lib.gemma._inv_freq_on': ( 'gemma_building_blocks.html#_inv_freq_on',
                                                                            'paligemma_lib/gemma.py'),
+                                     'paligemma_lib.gemma._set_up_cos_sin': ( 'gemma_building_blocks.html#_set_up_cos_sin',
+                                                                              'paligemma_lib/gemma.py'),
                                      'paligemma_lib.gemma.additive_mask': ('gemma_decoder.html#additive_mask', 'paligemma_lib/gemma.py'),
                                      'paligemma_lib.gemma.apply_rotary_pos_emb': ( 'gemma_building_blocks.html#apply_rotary_pos_emb',
                                                                                    'paligemma_lib/gemma.py'),

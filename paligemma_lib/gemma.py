@@ -130,6 +130,17 @@ class GemmaRotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}"
 
+# %% ../book/04_gemma_building_blocks.ipynb #c042w
+def _set_up_cos_sin() -> None:
+    """cos and sin once, on 4 numbers (one thread: far under torch's grain
+    size), at import: a first call split across threads has been seen to
+    return cos wrong by 1.5e-4 (torch 2.13's CPU build, under load)"""
+    x = torch.zeros(4)
+    x.cos(), x.sin()
+
+
+_set_up_cos_sin()
+
 # %% ../book/05_gemma_decoder.ipynb #c003
 from dataclasses import dataclass
 

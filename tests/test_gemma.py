@@ -3,7 +3,10 @@
 Notation as in the book: B batch, S sequence, D model width, H query heads, K key/value
 heads, d_h head width, V vocabulary."""
 
+import ast
 import contextlib
+import subprocess
+import sys
 from dataclasses import asdict
 
 import pytest
@@ -767,3 +770,27 @@ def test_rope_frequencies_are_made_once_per_device_and_survive_casts_and_autogra
     # a model built on the meta device keeps that device's apart
     meta = rope(positions.to("meta"))
     assert meta[0].device.type == "meta" and len(rope.inv_freq) == 2
+
+
+def test_import_makes_the_first_cos_and_sin_on_one_thread():
+    """The first cos and sin of a process come from importing the model (its
+    `gemma` module), on a tensor under torch's grain size (32,768 elements: one
+    thread), so that no later call is a first call split across threads
+    (chapter 4: one such call returned cos wrong by 1.5e-4)"""
+    spy = (
+        "import torch\n"
+        "calls = []\n"
+        "for name in ('cos', 'sin'):\n"
+        "    def spy(self, _f=getattr(torch.Tensor, name), _n=name):\n"
+        "        calls.append((_n, self.numel()))\n"
+        "        return _f(self)\n"
+        "    setattr(torch.Tensor, name, spy)\n"
+        "import paligemma_lib.paligemma\n"
+        "print(calls)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", spy], capture_output=True, text=True, check=True
+    )
+    calls = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert [name for name, _ in calls[:2]] == ["cos", "sin"], calls
+    assert all(n < 32_768 for _, n in calls[:2]), calls
