@@ -133,8 +133,8 @@ class GemmaRotaryEmbedding(nn.Module):
 # %% ../book/04_gemma_building_blocks.ipynb #c042w
 def _set_up_cos_sin() -> None:
     """cos and sin once, on 4 numbers (one thread: far under torch's grain
-    size), at import: a first call split across threads has been seen to
-    return cos wrong by 1.5e-4 (torch 2.13's CPU build, under load)"""
+    size), at import: a first call split across threads has been seen in CI,
+    under load, to return cos wrong far beyond rounding"""
     x = torch.zeros(4)
     x.cos(), x.sin()
 

@@ -776,7 +776,7 @@ def test_import_makes_the_first_cos_and_sin_on_one_thread():
     """The first cos and sin of a process come from importing the model (its
     `gemma` module), on a tensor under torch's grain size (32,768 elements: one
     thread), so that no later call is a first call split across threads
-    (chapter 4: one such call returned cos wrong by 1.5e-4)"""
+    (chapter 4: such a call, seen in CI under load, returned cos wrong)"""
     spy = (
         "import torch\n"
         "calls = []\n"
